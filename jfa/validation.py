@@ -1,0 +1,162 @@
+"""Every rule of the op contract, checked on the host before anything is launched.
+
+Errors name the argument and the rule. Nothing the caller passed is modified: int64 offsets are converted
+into new tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from jfa.problem import Problem
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8  # 16-byte rows in bf16/fp16: what vectorised and TMA loads need
+
+
+def _check_tensor(name: str, x, ndim: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+
+
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _check_head_dim(name: str, size: int) -> None:
+    if not (HEAD_DIM_MULTIPLE <= size <= MAX_HEAD_DIM and size % HEAD_DIM_MULTIPLE == 0):
+        raise ValueError(
+            f"{name} = {size} is unsupported: head dims must be multiples of {HEAD_DIM_MULTIPLE} "
+            f"from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM}"
+        )
+
+
+def _host_offsets(name: str, offsets, device: torch.device, rows: int, rows_name: str) -> torch.Tensor:
+    """Checks one offsets tensor and returns its int64 host copy."""
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {offsets.dtype}")
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"{name} must be 1-D with B+1 >= 1 entries, got shape {tuple(offsets.shape)}")
+    if offsets.device != device:
+        raise ValueError(f"{name} is on {offsets.device} but q is on {device}: all inputs must share a device")
+    host = offsets.detach().to("cpu", torch.int64)
+    if host[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {int(host[0])}")
+    steps = host[1:] - host[:-1]
+    if (steps < 0).any():
+        b = int(torch.nonzero(steps < 0)[0])
+        raise ValueError(
+            f"{name} must be non-decreasing, but {name}[{b + 1}] = {int(host[b + 1])} < "
+            f"{name}[{b}] = {int(host[b])}"
+        )
+    if host[-1] != rows:
+        raise ValueError(f"{name}[-1] = {int(host[-1])} must equal the number of {rows_name} rows, {rows}")
+    if rows >= 2**31:
+        raise ValueError(f"{name}[-1] = {rows} does not fit the int32 offsets kernels use")
+    return host
+
+
+def _check_max_len(name: str, value, real: int) -> int:
+    if value is None:
+        return real
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
+    if value < real:
+        raise ValueError(f"{name} = {value} is smaller than the longest sequence, {real}")
+    return int(value)
+
+
+def validate(
+    q, k, v, q_offsets, kv_offsets, *, max_q_len, max_kv_len, sm_scale, window, causal, broadcast_q,
+    deterministic,
+) -> Problem:
+    """Checks a call against the op contract and returns its `Problem`; raises TypeError/ValueError."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x, 3)
+    for name, flag in (("causal", causal), ("broadcast_q", broadcast_q), ("deterministic", deterministic)):
+        _check_flag(name, flag)
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q.dtype must be torch.bfloat16 or torch.float16, got {q.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype ({x.dtype}) must equal q.dtype ({q.dtype})")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}: all inputs must share a device")
+
+    q_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
+    head_dim_v = v.shape[2]
+    if k.shape[2] != head_dim:
+        raise ValueError(f"k's head dim ({k.shape[2]}) must equal q's ({head_dim})")
+    if v.shape[0] != k.shape[0] or v.shape[1] != kv_heads:
+        raise ValueError(f"v's rows and heads {tuple(v.shape[:2])} must equal k's {tuple(k.shape[:2])}")
+    if kv_heads == 0 or q_heads == 0 or q_heads % kv_heads:
+        raise ValueError(
+            f"query heads ({q_heads}) must be a positive multiple of key/value heads ({kv_heads})"
+        )
+    _check_head_dim("head dim of q and k", head_dim)
+    _check_head_dim("head dim of v", head_dim_v)
+
+    kv_host = _host_offsets("kv_offsets", kv_offsets, q.device, k.shape[0], "k and v")
+    batch = kv_host.numel() - 1
+    kv_lens = kv_host[1:] - kv_host[:-1]
+    if broadcast_q:
+        if q_offsets is not None:
+            raise ValueError("q_offsets must be None with broadcast_q=True: q is one shared query sequence")
+        shared_len = q.shape[0]
+        q_lens = torch.full((batch,), shared_len, dtype=torch.int64)
+        q_host = torch.zeros(batch + 1, dtype=torch.int64)
+    else:
+        if q_offsets is None:
+            raise ValueError("q_offsets is required unless broadcast_q=True")
+        q_host = _host_offsets("q_offsets", q_offsets, q.device, q.shape[0], "q")
+        if q_host.numel() != batch + 1:
+            raise ValueError(
+                f"q_offsets has {q_host.numel() - 1} sequences but kv_offsets has {batch}: B must match"
+            )
+        q_lens = q_host[1:] - q_host[:-1]
+    out_host = torch.cat([q_lens.new_zeros(1), q_lens.cumsum(0)])
+    if int(out_host[-1]) >= 2**31:
+        raise ValueError(f"the output's {int(out_host[-1])} rows do not fit the int32 offsets kernels use")
+
+    real_max_q = int(q_lens.max()) if batch else 0
+    real_max_kv = int(kv_lens.max()) if batch else 0
+    max_q_len = _check_max_len("max_q_len", max_q_len, real_max_q)
+    max_kv_len = _check_max_len("max_kv_len", max_kv_len, real_max_kv)
+
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, numbers.Integral):
+            raise TypeError(f"window must be an int or None, got {type(window).__name__}")
+        if window < 0:
+            raise ValueError(f"window must be >= 0 (|i - j| <= window), got {window}")
+        window = int(window)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    else:
+        if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+            raise TypeError(f"sm_scale must be a real number or None, got {type(sm_scale).__name__}")
+        if not math.isfinite(sm_scale):
+            raise ValueError(f"sm_scale must be finite, got {sm_scale}")
+        sm_scale = float(sm_scale)
+
+    def on_device(host: torch.Tensor) -> torch.Tensor:
+        return host.to(device=q.device, dtype=torch.int32)
+
+    return Problem(
+        batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, head_dim_v=head_dim_v,
+        dtype=q.dtype, device=q.device, sm_scale=sm_scale, window=window, causal=causal,
+        broadcast_q=broadcast_q, deterministic=deterministic,
+        q_offsets=on_device(q_host), out_offsets=on_device(out_host), kv_offsets=on_device(kv_host),
+        q_offsets_host=q_host, out_offsets_host=out_host, kv_offsets_host=kv_host,
+        q_lens=q_lens, kv_lens=kv_lens, max_q_len=max_q_len, max_kv_len=max_kv_len,
+        q_rows=q.shape[0], out_rows=int(out_host[-1]), kv_rows=k.shape[0],
+    )

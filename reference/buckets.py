@@ -1,0 +1,133 @@
+"""Dense, padded views of a jagged batch, for the pure-PyTorch implementations (reference, bf16 model).
+
+Sequences are grouped by their lengths padded to powers of two, so a batch of 32k tiny sequences is a few
+dense tensor operations instead of 32k Python iterations, and one 64k-token sequence is a single group
+processed in query × key chunks. Padding never changes a result: padded keys are invisible and padded
+query rows are never scattered back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from jfa.mask import visible_torch
+from jfa.problem import Problem
+
+# Elements of one [G, H, q_chunk, kv_chunk] score block: bounds the working set of every chunked loop
+# (8M float64 = 64 MiB per temporary).
+DEFAULT_BLOCK_ELEMENTS = 1 << 23
+
+
+def _pow2_at_least(n: torch.Tensor) -> torch.Tensor:
+    n = n.clamp(min=1).to(torch.float64)
+    return torch.exp2(torch.ceil(torch.log2(n))).to(torch.int64)
+
+
+@dataclass
+class Bucket:
+    """G sequences padded to q_pad query rows and kv_pad key rows; index tensors live on `device`."""
+
+    seqs: torch.Tensor  # host [G] sequence indices
+    q_pad: int
+    kv_pad: int
+    q_lens: torch.Tensor  # [G]
+    kv_lens: torch.Tensor  # [G]
+    q_rows: torch.Tensor  # [G, q_pad] row of q read for (g, i); 0 where padded
+    out_rows: torch.Tensor  # [G, q_pad] row of out/lse written for (g, i)
+    kv_rows: torch.Tensor  # [G, kv_pad] row of k/v
+    q_valid: torch.Tensor  # [G, q_pad]
+    kv_valid: torch.Tensor  # [G, kv_pad]
+    problem: Problem
+
+    def visible(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        """[G, 1, q1-q0, k1-k0]: the contract's visibility of keys k0:k1 to query rows q0:q1."""
+        device = self.q_lens.device
+        i = torch.arange(q0, q1, device=device).view(1, -1, 1)
+        j = torch.arange(k0, k1, device=device).view(1, 1, -1)
+        q_len = self.q_lens.view(-1, 1, 1)
+        kv_len = self.kv_lens.view(-1, 1, 1)
+        mask = visible_torch(i, j, q_len, kv_len, self.problem.window, self.problem.causal)
+        return (mask & (i < q_len)).unsqueeze(1)
+
+
+def buckets(problem: Problem, device: torch.device, block_elements: int = DEFAULT_BLOCK_ELEMENTS
+            ) -> Iterator[Bucket]:
+    """Groups the sequences that have query rows into buckets of equal padded shape."""
+    q_lens, kv_lens = problem.q_lens, problem.kv_lens
+    has_rows = torch.nonzero(q_lens > 0).flatten()
+    if has_rows.numel() == 0:
+        return
+    q_pad = _pow2_at_least(q_lens[has_rows])
+    kv_pad = _pow2_at_least(kv_lens[has_rows])
+    keys = q_pad * (1 << 32) + kv_pad
+    for key in torch.unique(keys):
+        members = has_rows[keys == key]
+        qp, kp = int(key) >> 32, int(key) & 0xFFFFFFFF
+        # Enough sequences per group to amortise Python overhead, few enough to bound memory.
+        per_group = max(1, block_elements // (problem.q_heads * qp * kp))
+        for start in range(0, members.numel(), per_group):
+            yield _make_bucket(problem, members[start:start + per_group], qp, kp, device)
+
+
+def _make_bucket(problem: Problem, seqs: torch.Tensor, q_pad: int, kv_pad: int, device) -> Bucket:
+    q_lens, kv_lens = problem.q_lens[seqs], problem.kv_lens[seqs]
+    i = torch.arange(q_pad).view(1, -1)
+    j = torch.arange(kv_pad).view(1, -1)
+    q_valid = i < q_lens.view(-1, 1)
+    kv_valid = j < kv_lens.view(-1, 1)
+    q_rows = torch.where(q_valid, problem.q_offsets_host[seqs].view(-1, 1) + i, 0)
+    out_rows = torch.where(q_valid, problem.out_offsets_host[seqs].view(-1, 1) + i, 0)
+    kv_rows = torch.where(kv_valid, problem.kv_offsets_host[seqs].view(-1, 1) + j, 0)
+    return Bucket(
+        seqs=seqs, q_pad=q_pad, kv_pad=kv_pad,
+        q_lens=q_lens.to(device), kv_lens=kv_lens.to(device),
+        q_rows=q_rows.to(device), out_rows=out_rows.to(device), kv_rows=kv_rows.to(device),
+        q_valid=q_valid.to(device), kv_valid=kv_valid.to(device), problem=problem,
+    )
+
+
+def chunks(length: int, size: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, length, size):
+        yield start, min(length, start + size)
+
+
+def chunk_sizes(bucket: Bucket, block_elements: int = DEFAULT_BLOCK_ELEMENTS) -> tuple[int, int]:
+    """Query and key chunk lengths whose score block stays within `block_elements`."""
+    groups_heads = bucket.seqs.numel() * bucket.problem.q_heads
+    kv_chunk = min(bucket.kv_pad, max(1, block_elements // (groups_heads * min(bucket.q_pad, 1024))))
+    q_chunk = min(bucket.q_pad, max(1, block_elements // (groups_heads * kv_chunk)))
+    return q_chunk, kv_chunk
+
+
+def gather_heads(x: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype, head_map: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """x[rows] as [G, H, L, D] in `dtype`; head_map expands key/value heads to query heads (GQA)."""
+    g = x[rows.flatten()].to(dtype)
+    if head_map is not None:
+        g = g.index_select(1, head_map)
+    return g.view(*rows.shape, *g.shape[1:]).permute(0, 2, 1, 3)
+
+
+def scatter_rows(target: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, values: torch.Tensor,
+                 accumulate: bool) -> None:
+    """Writes (or adds) values [G, H, L, D] into target [rows, H, D] at the valid rows."""
+    vals = values.permute(0, 2, 1, 3)[valid]
+    idx = rows[valid]
+    if accumulate:
+        target.index_add_(0, idx, vals.to(target.dtype))
+    else:
+        target[idx] = vals.to(target.dtype)
+
+
+def head_map(problem: Problem, device) -> torch.Tensor:
+    """Key/value head of each query head."""
+    return torch.arange(problem.q_heads, device=device) // problem.group_size
+
+
+def reduce_groups(x: torch.Tensor, problem: Problem) -> torch.Tensor:
+    """Sums a [G, Hq, L, D] per-query-head gradient over each group into [G, Hkv, L, D]."""
+    g, _, length, d = x.shape
+    return x.view(g, problem.kv_heads, problem.group_size, length, d).sum(2)

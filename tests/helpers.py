@@ -1,0 +1,34 @@
+"""Small builders shared by the unit tests."""
+
+from __future__ import annotations
+
+import torch
+
+from jfa.validation import validate
+
+
+def offsets(lengths) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return out
+
+
+def jagged_inputs(q_lens, kv_lens, q_heads=2, kv_heads=1, head_dim=8, head_dim_v=8, dtype=torch.bfloat16,
+                  broadcast_q=False, seed=0):
+    """Random q, k, v, offsets and dout for the given lengths (values ~ N(0, 1))."""
+    gen = torch.Generator().manual_seed(seed)
+    q_rows = q_lens[0] if broadcast_q else sum(q_lens)
+    out_rows = sum(q_lens)
+    q = torch.randn(q_rows, q_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(sum(kv_lens), kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(sum(kv_lens), kv_heads, head_dim_v, generator=gen).to(dtype)
+    dout = torch.randn(out_rows, q_heads, head_dim_v, generator=gen).to(dtype)
+    q_off = None if broadcast_q else offsets(q_lens)
+    return q, k, v, q_off, offsets(kv_lens), dout
+
+
+def problem_of(q, k, v, q_off, kv_off, **kwargs):
+    defaults = dict(max_q_len=None, max_kv_len=None, sm_scale=None, window=None, causal=False,
+                    broadcast_q=False, deterministic=False)
+    defaults.update(kwargs)
+    return validate(q, k, v, q_off, kv_off, **defaults)
