@@ -41,6 +41,7 @@ class Bucket:
     q_valid: torch.Tensor  # [G, q_pad]
     kv_valid: torch.Tensor  # [G, kv_pad]
     problem: Problem
+    identical_keys: torch.Tensor | None = None  # [G, Hq, 1, 1], set by the float64 reference
 
     def visible(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         """[G, 1, q1-q0, k1-k0]: the contract's visibility of keys k0:k1 to query rows q0:q1."""

@@ -6,18 +6,26 @@ and D = 128 runs within a few GiB; it runs on whatever device the inputs are on 
 ~56 TFLOP/s). The lse is computed first over all keys, so P = exp(S - lse) is exact rather than rescaled.
 
 Bounds (`bound_*`, float32) follow the first-order rounding model of DESIGN.md, per element:
-  b_O  = u(|O| + P|V|)                      + w E|V|
-  b_dV = u(|dV| + Pᵀ|dO|)                    + w Eᵀ|dO|
+  b_O  = u(|O| + P|V|)                      + w E|V|          + η(M|V| + 1)
+  b_dV = u(|dV| + Pᵀ|dO|)                    + w Eᵀ|dO|        + η(Mᵀ|dO| + 1)
   b_D  = rowsum(|dO| ∘ b_O)
-  b_dS = u|dS| + P∘(u|dO||V|ᵀ + b_D)        + w E∘|dP - D|
-  b_dQ = u|dQ| + scale b_dS |K|,  b_dK = u|dK| + scale b_dSᵀ |Q|
+  b_dS = u|dS| + P∘(u|dO||V|ᵀ + b_D)        + w E∘|dP - D|    + η M
+  b_dQ = u|dQ| + scale b_dS |K| + η,  b_dK = u|dK| + scale b_dSᵀ |Q| + η
   b_lse = u32 (2|lse| + 2 log2(n + 1) + 4)  + w r
-with u the input dtype's unit roundoff, and a term DESIGN.md's set leaves out: the fp32 rounding of the
-logits themselves. A logit s = scale·q·k summed in fp32 over D terms (then scaled, and scaled by log2 e
-in exp2-based kernels) is off by up to w·a with w = (D + 2)·u32 and a = scale·|q|·|k|; to first order
-that moves P_ij by P_ij(Δs_ij - Σ_k P_ik Δs_ik), so |ΔP| <= w E with E = P∘(A + r), A = scale|Q||K|ᵀ and
-r = rowsum(P∘A). It is negligible for ordinary activations (w·a ~ 1e-5 against u ~ 4e-3) and dominant
-for logits of magnitude ~1e4 and more, where every fp32 kernel, the bf16 model included, is that far off.
+with u the input dtype's unit roundoff, plus two kinds of term DESIGN.md's set leaves out.
+
+Underflow: rounding to the input dtype has an absolute error floor η (half its smallest subnormal: 2^-25 in
+fp16, negligible in bf16). Every rounded P or dS entry and every rounded output may be off by η, which
+adds η M|V| to b_O, η Mᵀ|dO| to b_dV, η M to b_dS (M the 0/1 visibility) and η to every bound; fp16
+gradients of ~1e-7 are otherwise far outside a purely relative bound.
+
+Logit rounding: the fp32 rounding of the logits themselves. A logit s = scale·q·k summed in fp32 over D
+terms (then scaled, and scaled by log2 e in exp2-based kernels) is off by up to w·a with w = (D + 2)·u32
+and a = scale·|q|·|k|; to first order that moves P_ij by P_ij(Δs_ij - Σ_k P_ik Δs_ik), so
+|ΔP| <= w E with E = P∘(A + r), A = scale|Q||K|ᵀ and r = rowsum(P∘A). It is negligible for ordinary
+activations (w·a ~ 1e-5 against u ~ 4e-3) and dominant for logits of magnitude ~1e4 and more, where every
+fp32 kernel, the bf16 model included, is that far off (except where all keys are identical: see
+`identical_keys`).
 The b_lse constant covers the fp32 exp/log/sum of the kernel's softmax (a few u32 per step).
 Calibration (see tests/test_reference.py and README): the bf16 model sits at max bound ratio ≲ 1.
 """
@@ -47,23 +55,38 @@ U32 = 2.0**-24
 
 @dataclass
 class Reference:
-    out: torch.Tensor  # [out_rows, Hq, Dv] float64
-    lse: torch.Tensor  # [Hq, out_rows] float64, -inf for rows with no visible key
-    bound_out: torch.Tensor  # float32, like out
-    bound_lse: torch.Tensor
-    dq: torch.Tensor | None = None  # float64, like q
-    dk: torch.Tensor | None = None
-    dv: torch.Tensor | None = None
-    bound_dq: torch.Tensor | None = None
-    bound_dk: torch.Tensor | None = None
-    bound_dv: torch.Tensor | None = None
+    """Float64 values of out [out_rows, Hq, Dv], lse [Hq, out_rows] (-inf for rows with no visible key) and,
+    after a backward, dq, dk, dv; per tensor its bound and the bound's logit-rounding part (float32)."""
 
-    def tensors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Each computed tensor with its bound, by name (out, lse, dq, dk, dv)."""
-        named = {"out": (self.out, self.bound_out), "lse": (self.lse, self.bound_lse)}
-        if self.dq is not None:
-            named.update(dq=(self.dq, self.bound_dq), dk=(self.dk, self.bound_dk), dv=(self.dv, self.bound_dv))
-        return named
+    values: dict[str, torch.Tensor]
+    bounds: dict[str, torch.Tensor]
+    logit_bounds: dict[str, torch.Tensor]
+    key_seen: torch.Tensor  # [kv_rows] bool: some query of some head sees this key (else dk = dv = 0)
+
+    def __getattr__(self, name: str):
+        if name in ("out", "lse", "dq", "dk", "dv"):
+            return self.values.get(name)
+        raise AttributeError(name)
+
+    def tensors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(value, bound, logit-rounding part of the bound) of each computed tensor, by name."""
+        return {name: (value, self.bounds[name], self.logit_bounds[name]) for name, value in self.values.items()}
+
+
+def identical_keys(bucket: Bucket, k: torch.Tensor, hmap: torch.Tensor) -> torch.Tensor:
+    """[G, Hq, 1, 1]: every key of the sequence is bitwise the same vector (for that head).
+
+    A tiled kernel computes every logit of a row with the same instruction sequence, so identical keys give
+    bitwise identical fp32 logits: their rounding is common to the row and cancels in the softmax. Without
+    this, logits of ~1e11 (q = k = 133120) would make the logit-rounding term swamp every other check.
+    """
+    rows, valid = bucket.kv_rows, bucket.kv_valid
+    first = k[rows[:, 0]]
+    same = torch.ones(first.shape[:2], dtype=torch.bool, device=k.device)
+    for k0, k1 in chunks(bucket.kv_pad, 4096):
+        equal = (k[rows[:, k0:k1]] == first.unsqueeze(1)).all(-1) | ~valid[:, k0:k1].unsqueeze(-1)
+        same &= equal.all(1)
+    return same.index_select(1, hmap).view(*same.shape[:1], -1, 1, 1)
 
 
 class _Chunk:
@@ -78,11 +101,19 @@ class _Chunk:
         self.scores = (scale * self.q @ self.k.transpose(-1, -2)).masked_fill(~self.mask, -math.inf)
         # A = scale |Q||K|ᵀ: the magnitude each fp32 logit is computed at (its rounding scales with it).
         self.logit_magnitude = scale * self.q.abs() @ self.k.abs().transpose(-1, -2)
+        self.logit_magnitude.masked_fill_(bucket.identical_keys, 0.0)
 
     def probs(self, lse: torch.Tensor) -> torch.Tensor:
         """P = exp(S - lse), exactly 0 where invisible (also for rows with lse = -inf)."""
         p = torch.exp(self.scores - lse.unsqueeze(-1))
         return torch.where(self.mask, p, torch.zeros((), dtype=F64, device=p.device))
+
+
+def _buckets(problem: Problem, inputs):
+    q, k, _, hmap, _ = inputs
+    for bucket in buckets(problem, q.device):
+        bucket.identical_keys = identical_keys(bucket, k, hmap)
+        yield bucket
 
 
 def _row_view(x: torch.Tensor, bucket: Bucket, q0: int, q1: int) -> torch.Tensor:
@@ -97,25 +128,27 @@ def reference(q, k, v, problem: Problem, dout: torch.Tensor | None = None, devic
     hq, rows, dv_dim = problem.q_heads, problem.out_rows, problem.head_dim_v
     u = problem.unit_roundoff
     w = (problem.head_dim + 2) * U32
+    eta = underflow_floor(problem.dtype)
     scale = problem.sm_scale
     inputs = (q, k, v, head_map(problem, device), scale)
 
+    f32 = dict(dtype=torch.float32, device=device)
     out = torch.zeros(rows, hq, dv_dim, dtype=F64, device=device)
-    bound_out = torch.zeros(rows, hq, dv_dim, dtype=torch.float32, device=device)
     lse = torch.full((hq, rows), -math.inf, dtype=F64, device=device)
-    bound_lse = torch.zeros(hq, rows, dtype=torch.float32, device=device)
     r_rows = torch.zeros(hq, rows, dtype=F64, device=device)
+    bounds = {"out": torch.zeros(rows, hq, dv_dim, **f32), "lse": torch.zeros(hq, rows, **f32)}
+    logit_bounds = {name: torch.zeros_like(b) for name, b in bounds.items()}
+    key_seen = torch.zeros(problem.kv_rows, dtype=torch.bool, device=device)
 
-    for bucket in buckets(problem, device):
+    for bucket in _buckets(problem, inputs):
         q_chunk, kv_chunk = chunk_sizes(bucket)
-        sel = bucket.out_rows
         for q0, q1 in chunks(bucket.q_pad, q_chunk):
-            blocks = [(k0, k1) for k0, k1 in chunks(bucket.kv_pad, kv_chunk)]
+            blocks = list(chunks(bucket.kv_pad, kv_chunk))
             row_lse = None
             for k0, k1 in blocks:
                 part = torch.logsumexp(_Chunk(bucket, inputs, q0, q1, k0, k1).scores, dim=-1)
                 row_lse = part if row_lse is None else torch.logaddexp(row_lse, part)
-            acc_out = acc_pv = acc_pav = 0.0
+            acc_out = acc_pv = acc_pav = acc_mv = 0.0
             r = count = 0.0
             for k0, k1 in blocks:
                 c = _Chunk(bucket, inputs, q0, q1, k0, k1)
@@ -124,68 +157,84 @@ def reference(q, k, v, problem: Problem, dout: torch.Tensor | None = None, devic
                 acc_out = acc_out + p @ c.v
                 acc_pv = acc_pv + p @ c.v.abs()
                 acc_pav = acc_pav + pa @ c.v.abs()
+                acc_mv = acc_mv + c.mask.to(F64) @ c.v.abs()
                 r = r + pa.sum(-1)
                 count = count + c.mask.sum(-1)
-            valid = bucket.q_valid[:, q0:q1]
-            b_out = u * (acc_out.abs() + acc_pv) + w * (acc_pav + r.unsqueeze(-1) * acc_pv)
-            scatter_rows(out, sel[:, q0:q1], valid, acc_out, accumulate=False)
-            scatter_rows(bound_out, sel[:, q0:q1], valid, b_out, accumulate=False)
-            b_lse = U32 * (2 * row_lse.abs() + 2 * torch.log2(count + 1.0) + 4) + w * r
-            b_lse = torch.where(torch.isinf(row_lse), 0.0, b_lse)
-            for target, values in ((lse, row_lse), (bound_lse, b_lse), (r_rows, r)):
-                rows_idx = sel[:, q0:q1][valid]
-                target[:, rows_idx] = values.permute(0, 2, 1)[valid].T.to(target.dtype)
+                seen = c.mask.any(-2).squeeze(1) & bucket.kv_valid[:, k0:k1]
+                key_seen[bucket.kv_rows[:, k0:k1][seen]] = True
+            rows_sel, valid = bucket.out_rows[:, q0:q1], bucket.q_valid[:, q0:q1]
+            logit_out = w * (acc_pav + r.unsqueeze(-1) * acc_pv)
+            b_out = u * (acc_out.abs() + acc_pv) + logit_out + eta * (acc_mv + 1)
+            for target, values in ((out, acc_out), (bounds["out"], b_out), (logit_bounds["out"], logit_out)):
+                scatter_rows(target, rows_sel, valid, values, accumulate=False)
+            empty = torch.isinf(row_lse)
+            logit_lse = torch.where(empty, 0.0, w * r)
+            b_lse = torch.where(empty, 0.0, U32 * (2 * row_lse.abs() + 2 * torch.log2(count + 1.0) + 4)) + logit_lse
+            for target, values in ((lse, row_lse), (bounds["lse"], b_lse), (logit_bounds["lse"], logit_lse),
+                                   (r_rows, r)):
+                target[:, rows_sel[valid]] = values.permute(0, 2, 1)[valid].T.to(target.dtype)
 
-    result = Reference(out=out, lse=lse, bound_out=bound_out, bound_lse=bound_lse)
+    result = Reference(values={"out": out, "lse": lse}, bounds=bounds, logit_bounds=logit_bounds, key_seen=key_seen)
     if dout is not None:
-        _backward(result, r_rows, inputs, dout.detach().to(device), problem, u, w)
+        _backward(result, r_rows, inputs, dout.detach().to(device), problem, u, w, eta)
     return result
 
 
-def _backward(result: Reference, r_rows, inputs, dout, problem: Problem, u: float, w: float) -> None:
+def underflow_floor(dtype: torch.dtype) -> float:
+    """η: half the smallest subnormal of `dtype`, the absolute error floor of rounding to it."""
+    info = torch.finfo(dtype)
+    return info.smallest_normal * info.eps / 2
+
+
+def _backward(result: Reference, r_rows, inputs, dout, problem: Problem, u: float, w: float, eta: float) -> None:
     q, k, v, hmap, scale = inputs
     device = q.device
-    dq = torch.zeros(q.shape, dtype=F64, device=device)
-    dk = torch.zeros(k.shape, dtype=F64, device=device)
-    dv = torch.zeros(v.shape, dtype=F64, device=device)
-    part_dq = torch.zeros(q.shape, dtype=F64, device=device)
-    part_dk = torch.zeros(k.shape, dtype=F64, device=device)
-    part_dv = torch.zeros(v.shape, dtype=F64, device=device)
-    # D = rowsum(dO∘O) from the exact output, and its bound b_D = rowsum(|dO|∘b_O).
+    # Per gradient: value, bound beyond u|value| + η, and its logit-rounding part.
+    grads = {name: [torch.zeros(x.shape, dtype=F64, device=device) for _ in range(3)]
+             for name, x in (("dq", q), ("dk", k), ("dv", v))}
+    # D = rowsum(dO∘O) from the exact output, and its bound b_D = rowsum(|dO|∘b_O) (and logit part).
     delta = (dout.to(F64) * result.out).sum(-1).T
-    bound_delta = (dout.abs().to(F64) * result.bound_out.to(F64)).sum(-1).T
+    bound_delta = (dout.abs().to(F64) * result.bounds["out"].to(F64)).sum(-1).T
+    logit_delta = (dout.abs().to(F64) * result.logit_bounds["out"].to(F64)).sum(-1).T
 
-    for bucket in buckets(problem, device):
+    for bucket in _buckets(problem, inputs):
         q_chunk, kv_chunk = chunk_sizes(bucket)
         for q0, q1 in chunks(bucket.q_pad, q_chunk):
             do = gather_heads(dout, bucket.out_rows[:, q0:q1], F64)
-            row_lse, row_delta, row_bd, row_r = (
-                _row_view(x, bucket, q0, q1).unsqueeze(-1) for x in (result.lse, delta, bound_delta, r_rows)
+            row_lse, row_delta, row_bd, row_ld, row_r = (
+                _row_view(x, bucket, q0, q1).unsqueeze(-1)
+                for x in (result.lse, delta, bound_delta, logit_delta, r_rows)
             )
-            acc_dq = acc_bdq = 0.0
+            acc_dq = [0.0, 0.0, 0.0]
             for k0, k1 in chunks(bucket.kv_pad, kv_chunk):
                 c = _Chunk(bucket, inputs, q0, q1, k0, k1)
                 p = c.probs(row_lse.squeeze(-1))
                 dp = do @ c.v.transpose(-1, -2)
                 ds = p * (dp - row_delta)
                 envelope = p * (c.logit_magnitude + row_r)
+                visible = c.mask.to(F64)
+                logit_ds = p * row_ld + w * envelope * (dp - row_delta).abs()
                 b_ds = (u * ds.abs() + p * (u * (do.abs() @ c.v.abs().transpose(-1, -2)) + row_bd)
-                        + w * envelope * (dp - row_delta).abs())
-                acc_dq = acc_dq + scale * ds @ c.k
-                acc_bdq = acc_bdq + scale * b_ds @ c.k.abs()
+                        + w * envelope * (dp - row_delta).abs() + eta * visible)
+                k_abs, q_abs = c.k.abs(), c.q.abs()
+                for i, (term, keys) in enumerate(((ds, c.k), (b_ds, k_abs), (logit_ds, k_abs))):
+                    acc_dq[i] = acc_dq[i] + scale * term @ keys
+                per_key = {
+                    "dk": (scale * ds.transpose(-1, -2) @ c.q, scale * b_ds.transpose(-1, -2) @ q_abs,
+                           scale * logit_ds.transpose(-1, -2) @ q_abs),
+                    "dv": (p.transpose(-1, -2) @ do,
+                           (u * p + w * envelope + eta * visible).transpose(-1, -2) @ do.abs(),
+                           (w * envelope).transpose(-1, -2) @ do.abs()),
+                }
                 kv_rows, kv_valid = bucket.kv_rows[:, k0:k1], bucket.kv_valid[:, k0:k1]
-                for target, values in (
-                    (dk, scale * ds.transpose(-1, -2) @ c.q),
-                    (part_dk, scale * b_ds.transpose(-1, -2) @ c.q.abs()),
-                    (dv, p.transpose(-1, -2) @ do),
-                    (part_dv, (u * p + w * envelope).transpose(-1, -2) @ do.abs()),
-                ):
-                    scatter_rows(target, kv_rows, kv_valid, reduce_groups(values, problem), accumulate=True)
+                for name, parts in per_key.items():
+                    for target, values in zip(grads[name], parts, strict=True):
+                        scatter_rows(target, kv_rows, kv_valid, reduce_groups(values, problem), accumulate=True)
             q_rows, q_valid = bucket.q_rows[:, q0:q1], bucket.q_valid[:, q0:q1]
-            scatter_rows(dq, q_rows, q_valid, acc_dq, accumulate=True)
-            scatter_rows(part_dq, q_rows, q_valid, acc_bdq, accumulate=True)
+            for target, values in zip(grads["dq"], acc_dq, strict=True):
+                scatter_rows(target, q_rows, q_valid, values, accumulate=True)
 
-    result.dq, result.dk, result.dv = dq, dk, dv
-    result.bound_dq = (u * dq.abs() + part_dq).float()
-    result.bound_dk = (u * dk.abs() + part_dk).float()
-    result.bound_dv = (u * dv.abs() + part_dv).float()
+    for name, (value, part, logit_part) in grads.items():
+        result.values[name] = value
+        result.bounds[name] = (u * value.abs() + part + eta).float()
+        result.logit_bounds[name] = logit_part.float()

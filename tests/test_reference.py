@@ -76,8 +76,8 @@ def test_chunked_equals_unchunked(monkeypatch):
     monkeypatch.setattr("reference.exact.chunk_sizes", lambda b: buckets_module.chunk_sizes(b, 64))
     monkeypatch.setattr("reference.exact.buckets", lambda p, d: buckets_module.buckets(p, d, 64))
     parts = reference(q, k, v, problem, dout)
-    for name, (tensor, bound) in whole.tensors().items():
-        other, other_bound = parts.tensors()[name]
+    for name, (tensor, bound, _) in whole.tensors().items():
+        other, other_bound, _ = parts.tensors()[name]
         torch.testing.assert_close(other, tensor, rtol=1e-12, atol=1e-13, msg=lambda m, n=name: f"{n}: {m}")
         torch.testing.assert_close(other_bound, bound, rtol=1e-5, atol=1e-30, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -167,6 +167,7 @@ def test_empty_rows_and_unseen_keys_are_exact():
     assert (ref.out[:4] == 0).all() and (ref.dq[:4] == 0).all()
     assert (ref.out[6:] == 0).all() and torch.isinf(ref.lse[:, 6:]).all()
     assert (ref.dk[2:] == 0).all() and (ref.dv[2:] == 0).all()  # sequence 1 has no queries
+    assert ref.key_seen[:2].all() and not ref.key_seen[2:].any()
     assert (ref.out[4:6] != 0).all() and (ref.dk[:2] != 0).all()
 
 
