@@ -1,0 +1,100 @@
+"""One test of one backend on one case, as records: the library behind verify/test_numerics.py, also
+called directly by the gate, bisect and the planted-bug tests."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from jfa import backends
+from verify.context import case_context
+from verify.invariants import check_all
+from verify.results import tensor_record
+from verify.runner import BackendCrash, is_device_fault, run
+from verify.stats import compare
+
+TESTS = {"forward": ("out", "lse"), "backward": ("dq", "dk", "dv"), "invariants": ()}
+
+
+@functools.cache
+def backend_fn(spec: str):
+    """(callable with jfa.attention's signature, availability check) for a backend name or module:function."""
+    return backends.attention_fn(spec)
+
+
+def kernel_config(spec: str, problem) -> dict | None:
+    """The kernel configuration a registered backend reports for this problem, if it reports one."""
+    if ":" in spec:
+        return None
+    describe = getattr(backends.get(spec), "config", None)
+    return describe(problem) if describe else None
+
+
+def replay_command(spec: str, case_id: str) -> str:
+    return f"pytest verify/ --jfa-backend '{spec}' --jfa-case '{case_id}'"
+
+
+def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list[dict]:
+    """Runs `test` ("forward", "backward" or "invariants") and returns its records (status per tensor or
+    invariant: pass, fail, skip with the reason, or crash). Raises BackendCrash after recording a device
+    fault, so the caller can replace the process."""
+    fn, _ = backend_fn(spec)
+    ctx = case_context(case_id, device.type)
+    common = dict(kind="result", backend=spec, case=case_id, family=ctx.case.family, test=test,
+                  config=kernel_config(spec, ctx.problem), replay=replay_command(spec, case_id))
+    start = time.perf_counter()
+    try:
+        if test == "invariants":
+            findings = check_all(fn, ctx)
+        else:
+            inputs = ctx.inputs
+            outputs = run(fn, inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout,
+                          inputs.kwargs, backward=test == "backward")
+    except NotImplementedError as error:
+        return [dict(common, tensor="*", status="skip", message=f"unsupported: {error}")]
+    except Exception as error:  # a valid input must not raise; a device fault ends the process
+        status = "crash" if is_device_fault(error) else "fail"
+        record = dict(common, tensor="*", status=status, message=f"{type(error).__name__}: {error}",
+                      duration_s=time.perf_counter() - start)
+        if status == "crash":
+            raise BackendCrash(record["message"]) from error
+        return [record]
+    duration = time.perf_counter() - start
+    if test == "invariants":
+        return [dict(common, tensor=name, status="fail" if problems else "pass", checks={name: not problems},
+                     message="; ".join(problems) or None, duration_s=duration)
+                for name, problems in findings.items()]
+    records = []
+    for name in TESTS[test]:
+        ref, bound, logit_bound = ctx.reference.tensors()[name]
+        stats = compare(name, getattr(outputs, name), ref, bound, logit_bound, ctx.exact[name],
+                        ctx.row_offsets[name], ctx.problem.dtype, getattr(ctx.baseline, name))
+        records.append(dict(common, **tensor_record(stats), duration_s=duration))
+    return records
+
+
+def failure_message(records: list[dict]) -> str:
+    """What failed, where and by how much, with the replay command."""
+    lines = []
+    for r in records:
+        if r["status"] not in ("fail", "crash"):
+            continue
+        head = f"{r['backend']} on {r['case']} [{r['test']}] {r['tensor']}: "
+        if r.get("checks") and r.get("stats"):
+            s, w = r["stats"], r.get("worst") or {}
+            failed = [name for name, ok in r["checks"].items() if not ok]
+            lines.append(
+                head + f"failed {', '.join(failed)}; bound ratio {s['bound_ratio']:.3g}, baseline ratio "
+                f"{s['baseline_ratio'] if s['baseline_ratio'] is None else format(s['baseline_ratio'], '.3g')}, "
+                f"max |err| {s['max_abs_err']:.3g}, non-finite {s['nonfinite']}, exact mismatches "
+                f"{s['exact_mismatch']}/{s['exact_checked']}, bias {s['bias_mean']:+.3f} (p={s['bias_p']:.2g}); "
+                f"worst at sequence {w.get('sequence')}, row {w.get('row')}, head {w.get('head')}, column "
+                f"{w.get('column')}: got {w.get('value')!r}, reference {w.get('reference')!r}, bound {w.get('bound')!r}"
+            )
+        else:
+            lines.append(head + (r.get("message") or r["status"]))
+    if lines:
+        lines.append("replay: " + records[0]["replay"])
+    return "\n".join(lines)

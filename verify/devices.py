@@ -1,0 +1,51 @@
+"""Which GPU each xdist worker uses, and which cases each CI shard runs: pure functions, unit-tested
+with simulated device lists."""
+
+from __future__ import annotations
+
+import os
+import re
+
+
+def visible_devices(environ=os.environ, device_count: int | None = None) -> list[str]:
+    """The GPUs this host may use: CUDA_VISIBLE_DEVICES if set, else 0..device_count-1."""
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip() and d.strip() != "-1"]
+    return [str(i) for i in range(device_count or 0)]
+
+
+def worker_index(worker_id: str) -> int:
+    """'gw7' -> 7."""
+    match = re.fullmatch(r"gw(\d+)", worker_id)
+    if not match:
+        raise ValueError(f"not an xdist worker id: {worker_id!r}")
+    return int(match.group(1))
+
+
+def assign_gpu(worker_id: str, devices: list[str]) -> str | None:
+    """Round-robin: worker i uses devices[i % n], so n·k workers put k on each GPU."""
+    if not devices:
+        return None
+    return devices[worker_index(worker_id) % len(devices)]
+
+
+def auto_workers(n_gpus: int, workers_per_gpu: int, n_cpus: int) -> int:
+    """`-n auto`: workers_per_gpu on each GPU (at most one per CPU), or one per CPU without GPUs."""
+    if n_gpus == 0:
+        return max(1, n_cpus)
+    return max(1, min(n_cpus, n_gpus * workers_per_gpu))
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'i/n' with 0 <= i < n."""
+    match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not match or not 0 <= int(match.group(1)) < int(match.group(2)):
+        raise ValueError(f"--shard must be i/n with 0 <= i < n, got {text!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def shard(case_ids: list[str], index: int, count: int) -> list[str]:
+    """The cases of shard `index` of `count`: every count-th case of the profile's fixed order, so the n
+    shards partition the list exactly and a case's tests stay on one host (its reference is computed once)."""
+    return [case_id for position, case_id in enumerate(case_ids) if position % count == index]

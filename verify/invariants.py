@@ -1,0 +1,158 @@
+"""The invariants of DESIGN.md checked exactly (bitwise): every element written, repeatable runs,
+deterministic dq, padding insensitivity, batch invariance, inputs untouched."""
+
+from __future__ import annotations
+
+import torch
+
+from jfa.problem import Problem
+from verify.context import CaseContext
+from verify.runner import Outputs, nan_filled_allocations, run
+
+# Sequences re-run alone per case: the longest, the median and the first and last with queries (the median
+# catches arithmetic that depends on the batch's max length, which the longest alone does not change).
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns (so NaN == NaN and -0.0 != 0.0)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.shape != b.shape:
+        return f"shapes {tuple(a.shape)} vs {tuple(b.shape)}"
+    differ = ~((a == b) | (torch.isnan(a) & torch.isnan(b)))
+    where = torch.nonzero(differ)
+    if where.numel() == 0:
+        return "bit patterns differ (signed zeros)"
+    index = tuple(int(i) for i in where[0])
+    return f"{int(differ.sum())} elements differ, first at {index}: {float(a[index])!r} vs {float(b[index])!r}"
+
+
+def sub_batch(ctx: CaseContext, order: list[int]):
+    """The case's inputs restricted to sequences `order` (in that order), and per sequence the
+    (old rows, new rows) of its q/out and kv rows."""
+    problem, inputs = ctx.problem, ctx.inputs
+    q_parts, out_parts, kv_parts = [], [], []
+    for b in order:
+        q_parts.append(torch.arange(int(problem.q_offsets_host[b]), int(problem.q_offsets_host[b + 1])))
+        out_parts.append(torch.arange(int(problem.out_offsets_host[b]), int(problem.out_offsets_host[b + 1])))
+        kv_parts.append(torch.arange(int(problem.kv_offsets_host[b]), int(problem.kv_offsets_host[b + 1])))
+
+    def cat(parts):
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    def offsets(parts):
+        lengths = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
+        return torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
+
+    device = inputs.q.device
+    out_rows, kv_rows = cat(out_parts).to(device), cat(kv_parts).to(device)
+    q = inputs.q if problem.broadcast_q else inputs.q[cat(q_parts).to(device)]
+    k, v = inputs.k[kv_rows], inputs.v[kv_rows]
+    dout = inputs.dout[out_rows]
+    q_off = None if problem.broadcast_q else offsets(q_parts).to(device)
+    kv_off = offsets(kv_parts).to(device)
+    return (q, k, v, q_off, kv_off, dout), out_parts, kv_parts
+
+
+def _sequence_rows(order, parts_old, offsets_new) -> list[tuple[int, torch.Tensor, slice]]:
+    return [(b, old, slice(int(offsets_new[i]), int(offsets_new[i + 1]))) for i, (b, old) in
+            enumerate(zip(order, parts_old, strict=True))]
+
+
+def compare_sub_batch(ctx: CaseContext, whole: Outputs, part: Outputs, order, out_parts, kv_parts) -> list[str]:
+    """Bitwise comparison of each sequence's rows in `part` (a re-run on a sub-batch) with `whole`."""
+    problem: Problem = ctx.problem
+    problems = []
+    new_out = [0]
+    new_kv = [0]
+    for old in out_parts:
+        new_out.append(new_out[-1] + old.numel())
+    for old in kv_parts:
+        new_kv.append(new_kv[-1] + old.numel())
+    per_tensor = {"out": (out_parts, new_out, 0), "lse": (out_parts, new_out, 1), "dk": (kv_parts, new_kv, 0),
+                  "dv": (kv_parts, new_kv, 0)}
+    if not problem.broadcast_q:
+        per_tensor["dq"] = (out_parts, new_out, 0)  # q rows and out rows coincide without broadcast
+    for name, (parts, new_offsets, axis) in per_tensor.items():
+        a_all, b_all = getattr(whole, name), getattr(part, name)
+        for b, old, new in _sequence_rows(order, parts, new_offsets):
+            old_rows = old.to(a_all.device)
+            a = a_all.index_select(axis, old_rows)
+            c = b_all.narrow(axis, new.start, new.stop - new.start)
+            if not bitwise_equal(a, c):
+                problems.append(f"{name} of sequence {b}: {first_difference(a, c)}")
+                break
+    return problems
+
+
+def _storage_bytes(x: torch.Tensor) -> torch.Tensor:
+    """A copy of the whole allocation behind x as bytes (rows past offsets[-1] and fused neighbours included)."""
+    return torch.empty(0, dtype=torch.uint8, device=x.device).set_(x.untyped_storage()).clone()
+
+
+def _differences(a: Outputs, b: Outputs, names) -> list[str]:
+    return [f"{name}: {first_difference(getattr(a, name), getattr(b, name))}" for name in names
+            if not bitwise_equal(getattr(a, name), getattr(b, name))]
+
+
+def _unwritten(outputs: Outputs, ctx: CaseContext) -> list[str]:
+    found = []
+    for name, t in outputs.named().items():
+        ref = ctx.reference.tensors()[name][0].to(t.device)
+        count = int((~torch.isfinite(t) & torch.isfinite(ref)).sum())
+        if count:
+            found.append(f"{name}: {count} elements not finite with fresh allocations NaN-filled")
+    return found
+
+
+def check_all(fn, ctx: CaseContext) -> dict[str, list[str]]:
+    """Runs every invariant; returns {invariant: [problems]} (an empty list passes)."""
+    inputs = ctx.inputs
+    args = (inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout)
+    before = [_storage_bytes(x) for x in (inputs.q, inputs.k, inputs.v, inputs.dout)]
+    all_names = ("out", "lse", "dq", "dk", "dv")
+    findings: dict[str, list[str]] = {}
+
+    base = run(fn, *args, inputs.kwargs, backward=True)
+    with nan_filled_allocations():
+        filled = run(fn, *args, inputs.kwargs, backward=True)
+    findings["written"] = _unwritten(filled, ctx)
+    # dq may use atomics unless deterministic=True; everything else must repeat bitwise regardless.
+    findings["repeatable"] = _differences(base, filled, ("out", "lse", "dk", "dv"))
+    first = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
+    second = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
+    findings["deterministic"] = _differences(first, second, all_names)
+
+    padded = inputs.with_nan_tail(7)
+    padded_out = run(fn, padded.q, padded.k, padded.v, padded.q_offsets, padded.kv_offsets, padded.dout,
+                     padded.kwargs, backward=True)
+    findings["padding"] = _differences(base, padded_out, all_names)
+
+    findings["batch_permuted"], findings["batch_alone"] = [], []
+    # A sub-batch is called without max_*_len, so a kernel whose arithmetic depends on them shows up too.
+    sub_kwargs = {**inputs.kwargs, "max_q_len": None, "max_kv_len": None}
+    if ctx.problem.batch > 1:
+        order = torch.randperm(ctx.problem.batch, generator=torch.Generator().manual_seed(ctx.case.seed)).tolist()
+        runs = [("batch_permuted", order)] + [("batch_alone", [b]) for b in _alone_samples(ctx.problem)]
+        for name, sub_order in runs:
+            sub_args, out_parts, kv_parts = sub_batch(ctx, sub_order)
+            sub_out = run(fn, *sub_args, sub_kwargs, backward=True)
+            findings[name] += compare_sub_batch(ctx, base, sub_out, sub_order, out_parts, kv_parts)
+
+    after = [_storage_bytes(x) for x in (inputs.q, inputs.k, inputs.v, inputs.dout)]
+    findings["inputs_unchanged"] = [f"the allocation behind {name} was modified" for name, x, y in
+                                    zip(("q", "k", "v", "dout"), before, after, strict=True) if not torch.equal(x, y)]
+    return findings
+
+
+def _alone_samples(problem: Problem) -> list[int]:
+    with_rows = torch.nonzero(problem.q_lens > 0).flatten().tolist()
+    if not with_rows:
+        return []
+    by_work = sorted(with_rows, key=lambda b: int(problem.q_lens[b]) * int(problem.kv_lens[b]))
+    return sorted({by_work[-1], by_work[len(by_work) // 2], with_rows[0], with_rows[-1]})

@@ -1,0 +1,122 @@
+"""Result records: JSON lines, one file per xdist worker, merged at the end of the session; and the
+summary table (backend × family)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
+
+from verify.stats import TensorStats
+
+
+def tensor_record(stats: TensorStats) -> dict:
+    record = asdict(stats)
+    return dict(tensor=record.pop("tensor"), status="pass" if stats.passed else "fail",
+                checks=record.pop("checks"), worst=record.pop("worst"),
+                worst_baseline_block=record.pop("worst_baseline_block"),
+                per_sequence=record.pop("per_sequence"), stats=record)
+
+
+class ResultsFile:
+    """Appends records to one JSON-lines file (each worker has its own)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as handle:
+            handle.write(dumps(record) + "\n")
+
+
+def _clean(value):
+    """JSON has no inf/nan: store them as strings ("inf", "nan")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def dumps(record: dict) -> str:
+    return json.dumps(_clean(record), default=str)
+
+
+def number(value) -> float | None:
+    """A statistic read back from JSON (inf and nan were stored as strings)."""
+    if value is None:
+        return None
+    return float(value)
+
+
+def read(path: Path) -> list[dict]:
+    with Path(path).open() as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def merge(parts: list[Path], path: Path, header: dict) -> list[dict]:
+    """Concatenates worker files (sorted, so the merged file is independent of worker timing) under one
+    environment header, and removes the parts."""
+    records = []
+    for part in parts:
+        records.extend(read(part))
+    records.sort(key=lambda r: (r.get("backend", ""), r.get("case", ""), r.get("test", ""), r.get("tensor", "")))
+    with Path(path).open("w") as handle:
+        handle.write(dumps(dict(kind="environment", **header)) + "\n")
+        for record in records:
+            handle.write(dumps(record) + "\n")
+    for part in parts:
+        part.unlink()
+    return records
+
+
+def _fmt(value, spec: str = ".3g") -> str:
+    if value is None:
+        return "-"
+    return format(value, spec)
+
+
+def summary_rows(records: list[dict]) -> list[dict]:
+    """One row per (backend, family): worst statistics over its cases and tensors, and the verdict."""
+    groups: dict[tuple, dict] = defaultdict(lambda: dict(bound=0.0, baseline=None, ulp=0.0, bias=0.0, passed=0,
+                                                        failed=0, skipped=0, crashed=0, failing=set()))
+    for r in records:
+        if r.get("kind") != "result":
+            continue
+        g = groups[(r["backend"], r.get("family", "-"))]
+        status = r["status"]
+        key = {"pass": "passed", "fail": "failed", "skip": "skipped", "crash": "crashed"}[status]
+        g[key] += 1
+        if status in ("fail", "crash"):
+            g["failing"].add(r.get("case", "-"))
+        stats = r.get("stats") or {}
+        if "bound_ratio" in stats:
+            g["bound"] = max(g["bound"], number(stats["bound_ratio"]))
+            g["ulp"] = max(g["ulp"], number(stats["max_ulp"]))
+            if stats.get("baseline_ratio") is not None:
+                g["baseline"] = max(g["baseline"] or 0.0, number(stats["baseline_ratio"]))
+            g["bias"] = max(g["bias"], abs(number(stats["bias_mean"])), abs(number(stats["bias_magnitude_mean"])))
+    rows = []
+    for (backend, family), g in sorted(groups.items()):
+        verdict = "FAIL" if g["failed"] or g["crashed"] else ("skip" if not g["passed"] else "pass")
+        rows.append(dict(backend=backend, family=family, verdict=verdict, **g))
+    return rows
+
+
+def summary_table(records: list[dict]) -> str:
+    header = (f"{'backend':<14} {'family':<22} {'bound':>8} {'baseline':>9} {'max ulp':>9} {'|bias|':>7} "
+              f"{'pass':>5} {'fail':>5} {'skip':>5} verdict")
+    lines = [header, "-" * len(header)]
+    for row in summary_rows(records):
+        fails = row["failed"] + row["crashed"]
+        lines.append(
+            f"{row['backend']:<14} {row['family']:<22} {_fmt(row['bound']):>8} {_fmt(row['baseline']):>9} "
+            f"{_fmt(row['ulp']):>9} {_fmt(row['bias'], '.2f'):>7} {row['passed']:>5} {fails:>5} "
+            f"{row['skipped']:>5} {row['verdict']}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,66 @@
+"""Running one implementation of the op contract on one case, forward and (optionally) backward."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+class BackendCrash(RuntimeError):
+    """The backend left the device in an unusable state (e.g. a CUDA illegal address)."""
+
+
+_DEVICE_FAULTS = ("CUDA error", "illegal memory access", "device-side assert", "unspecified launch failure",
+                  "CUDA driver error", "misaligned address")
+
+
+def is_device_fault(error: BaseException) -> bool:
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return isinstance(error, accelerator_error) or any(text in str(error) for text in _DEVICE_FAULTS)
+
+
+@dataclass
+class Outputs:
+    out: torch.Tensor
+    lse: torch.Tensor
+    dq: torch.Tensor | None = None
+    dk: torch.Tensor | None = None
+    dv: torch.Tensor | None = None
+
+    def named(self) -> dict[str, torch.Tensor]:
+        return {name: t for name, t in vars(self).items() if t is not None}
+
+
+@contextlib.contextmanager
+def nan_filled_allocations():
+    """Every torch.empty inside is filled with NaN, so an element a kernel never writes shows up."""
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def run(fn, q, k, v, q_offsets, kv_offsets, dout, kwargs: dict, *, backward: bool,
+        deterministic: bool = False) -> Outputs:
+    """Calls `fn` (jfa.attention's signature) and, with `backward`, autograd for dq, dk, dv.
+
+    The caller's tensors are used as they are (views, strides and NaN tails included); gradients are taken
+    with respect to detached views of them, so nothing the caller holds is modified.
+    """
+    leaves = [x.detach().requires_grad_(backward) for x in (q, k, v)]
+    with torch.set_grad_enabled(backward):
+        result = fn(*leaves, q_offsets, kv_offsets, **kwargs, return_lse=True, deterministic=deterministic)
+        out, lse = result
+        grads = (None, None, None)
+        if backward:
+            grads = torch.autograd.grad(out, leaves, dout, allow_unused=True)
+    if out.device.type == "cuda":
+        torch.cuda.synchronize(out.device)
+    return Outputs(out.detach(), lse.detach(), *grads)
