@@ -100,8 +100,9 @@ class _Chunk:
         self.v = gather_heads(v, bucket.kv_rows[:, k0:k1], F64, hmap)
         self.scores = (scale * self.q @ self.k.transpose(-1, -2)).masked_fill(~self.mask, -math.inf)
         # A = scale |Q||K|ᵀ: the magnitude each fp32 logit is computed at (its rounding scales with it).
-        self.logit_magnitude = scale * self.q.abs() @ self.k.abs().transpose(-1, -2)
-        self.logit_magnitude.masked_fill_(bucket.identical_keys, 0.0)
+        # The lse keeps every logit's rounding; P (a difference of logits) loses it for identical keys.
+        self.lse_logit_magnitude = scale * self.q.abs() @ self.k.abs().transpose(-1, -2)
+        self.logit_magnitude = self.lse_logit_magnitude.masked_fill(bucket.identical_keys, 0.0)
 
     def probs(self, lse: torch.Tensor) -> torch.Tensor:
         """P = exp(S - lse), exactly 0 where invisible (also for rows with lse = -inf)."""
@@ -149,7 +150,7 @@ def reference(q, k, v, problem: Problem, dout: torch.Tensor | None = None, devic
                 part = torch.logsumexp(_Chunk(bucket, inputs, q0, q1, k0, k1).scores, dim=-1)
                 row_lse = part if row_lse is None else torch.logaddexp(row_lse, part)
             acc_out = acc_pv = acc_pav = acc_mv = 0.0
-            r = count = 0.0
+            r = r_lse = count = 0.0
             for k0, k1 in blocks:
                 c = _Chunk(bucket, inputs, q0, q1, k0, k1)
                 p = c.probs(row_lse)
@@ -159,6 +160,7 @@ def reference(q, k, v, problem: Problem, dout: torch.Tensor | None = None, devic
                 acc_pav = acc_pav + pa @ c.v.abs()
                 acc_mv = acc_mv + c.mask.to(F64) @ c.v.abs()
                 r = r + pa.sum(-1)
+                r_lse = r_lse + (p * c.lse_logit_magnitude).sum(-1)
                 count = count + c.mask.sum(-1)
                 seen = c.mask.any(-2).squeeze(1) & bucket.kv_valid[:, k0:k1]
                 key_seen[bucket.kv_rows[:, k0:k1][seen]] = True
@@ -168,7 +170,7 @@ def reference(q, k, v, problem: Problem, dout: torch.Tensor | None = None, devic
             for target, values in ((out, acc_out), (bounds["out"], b_out), (logit_bounds["out"], logit_out)):
                 scatter_rows(target, rows_sel, valid, values, accumulate=False)
             empty = torch.isinf(row_lse)
-            logit_lse = torch.where(empty, 0.0, w * r)
+            logit_lse = torch.where(empty, 0.0, w * r_lse)
             b_lse = torch.where(empty, 0.0, U32 * (2 * row_lse.abs() + 2 * torch.log2(count + 1.0) + 4)) + logit_lse
             for target, values in ((lse, row_lse), (bounds["lse"], b_lse), (logit_bounds["lse"], logit_lse),
                                    (r_rows, r)):
