@@ -32,6 +32,11 @@ def kernel_config(spec: str, problem) -> dict | None:
     return describe(problem) if describe else None
 
 
+def gating(spec: str) -> bool:
+    """Whether the backend's failures fail the run: peers are measured for comparison, not gated."""
+    return ":" in spec or getattr(backends.get(spec), "gating", True)
+
+
 def replay_command(spec: str, case_id: str) -> str:
     return f"pytest verify/ --jfa-backend '{spec}' --jfa-case '{case_id}'"
 

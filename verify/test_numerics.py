@@ -5,7 +5,7 @@ Parametrised by verify/conftest.py from --jfa-profile / --jfa-case / --jfa-backe
 
 import pytest
 
-from verify.checks import failure_message
+from verify.checks import failure_message, gating
 
 
 def test_case(jfa_combo, jfa_session):
@@ -15,5 +15,7 @@ def test_case(jfa_combo, jfa_session):
     if skipped:
         pytest.skip(skipped[0]["message"])
     message = failure_message(records)
+    if message and not gating(backend):
+        pytest.xfail(f"peer {backend} fails the contract: {message}")
     if message:
         pytest.fail(message, pytrace=False)
