@@ -1,0 +1,49 @@
+"""GPU pinning of xdist workers and CI sharding, with simulated device lists."""
+
+import pytest
+
+from verify import devices
+
+
+def test_visible_devices_from_environment_or_count():
+    assert devices.visible_devices({"CUDA_VISIBLE_DEVICES": "2,5"}, device_count=8) == ["2", "5"]
+    assert devices.visible_devices({}, device_count=3) == ["0", "1", "2"]
+    assert devices.visible_devices({"CUDA_VISIBLE_DEVICES": ""}, device_count=4) == []
+    assert devices.visible_devices({}, device_count=0) == []
+
+
+@pytest.mark.parametrize("gpus,workers", [(["0"], 4), (["0", "1"], 4), (["3", "1", "7", "0"], 8), (["0", "1"], 3)])
+def test_round_robin_assignment_spreads_workers(gpus, workers):
+    assigned = [devices.assign_gpu(f"gw{i}", gpus) for i in range(workers)]
+    counts = {gpu: assigned.count(gpu) for gpu in gpus}
+    assert set(assigned) <= set(gpus)
+    assert max(counts.values()) - min(counts.values()) <= 1  # balanced
+    assert assigned[: len(gpus)] == gpus[: workers]  # the first workers take distinct GPUs
+
+
+def test_no_gpu_means_no_pinning_and_bad_ids_raise():
+    assert devices.assign_gpu("gw3", []) is None
+    with pytest.raises(ValueError):
+        devices.worker_index("main")
+
+
+def test_auto_workers():
+    assert devices.auto_workers(0, 4, 2) == 2
+    assert devices.auto_workers(1, 4, 16) == 4
+    assert devices.auto_workers(8, 4, 16) == 16  # at most one per CPU
+    assert devices.auto_workers(2, 3, 64) == 6
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7])
+def test_shards_partition_exactly(count):
+    ids = [f"case:{i}" for i in range(23)]
+    parts = [devices.shard(ids, i, count) for i in range(count)]
+    assert sorted(sum(parts, [])) == sorted(ids)
+    assert sum(len(p) for p in parts) == len(ids)
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+@pytest.mark.parametrize("text", ["2/2", "-1/3", "a/b", "1", "0/0"])
+def test_bad_shard_is_rejected(text):
+    with pytest.raises(ValueError, match="--shard"):
+        devices.parse_shard(text)

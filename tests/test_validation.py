@@ -1,0 +1,146 @@
+"""Every rule of the op contract raises a TypeError/ValueError naming the argument and the rule, before
+anything is launched; nothing the caller passed is modified."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import jfa
+from tests.helpers import jagged_inputs, offsets
+
+
+class Recorder:
+    """A backend that records whether it was ever launched."""
+
+    name = "recorder"
+    description = "records launches"
+
+    def __init__(self):
+        self.launched = 0
+
+    def unavailable(self, device):
+        return None
+
+    def __call__(self, q, k, v, problem):
+        self.launched += 1
+        return q.new_zeros(problem.out_rows, problem.q_heads, problem.head_dim_v), q.new_zeros(
+            problem.q_heads, problem.out_rows, dtype=torch.float32)
+
+
+@pytest.fixture
+def recorder():
+    backend = Recorder()
+    jfa.register_backend("recorder", backend)
+    return backend
+
+
+def base():
+    q, k, v, q_off, kv_off, _ = jagged_inputs([3, 0, 2], [4, 2, 0], 4, 2, 16, 16)
+    return dict(q=q, k=k, v=v, q_offsets=q_off, kv_offsets=kv_off)
+
+
+def with_changes(**changes):
+    args = base()
+    args.update(changes)
+    return args
+
+
+BAD = [
+    # (description, changes, error type, words the message must contain)
+    ("decreasing offsets", dict(q_offsets=torch.tensor([0, 3, 2, 5], dtype=torch.int32)), ValueError,
+     ["q_offsets", "non-decreasing"]),
+    ("first offset not 0", dict(kv_offsets=torch.tensor([1, 4, 6, 6], dtype=torch.int32)), ValueError,
+     ["kv_offsets[0]", "0"]),
+    ("last offset not rows", dict(q_offsets=torch.tensor([0, 3, 3, 4], dtype=torch.int32)), ValueError,
+     ["q_offsets[-1]", "rows"]),
+    ("B mismatch", dict(q_offsets=offsets([3, 2])), ValueError, ["B must match"]),
+    ("float offsets", dict(q_offsets=offsets([3, 0, 2]).float()), TypeError, ["q_offsets", "int32 or int64"]),
+    ("2-D offsets", dict(kv_offsets=offsets([4, 2, 0]).view(1, -1)), ValueError, ["kv_offsets", "1-D"]),
+    ("heads not divisible", dict(k=torch.zeros(6, 3, 16, dtype=torch.bfloat16),
+                                 v=torch.zeros(6, 3, 16, dtype=torch.bfloat16)), ValueError, ["multiple"]),
+    ("float32 inputs", dict(q=torch.zeros(5, 4, 16)), TypeError, ["q.dtype", "bfloat16 or torch.float16"]),
+    ("dtype mismatch", dict(k=torch.zeros(6, 2, 16, dtype=torch.float16)), TypeError, ["k.dtype", "q.dtype"]),
+    ("head dim mismatch", dict(k=torch.zeros(6, 2, 24, dtype=torch.bfloat16)), ValueError, ["head dim"]),
+    ("unsupported head dim", dict(q=torch.zeros(5, 4, 264, dtype=torch.bfloat16),
+                                  k=torch.zeros(6, 2, 264, dtype=torch.bfloat16)), ValueError, ["264", "256"]),
+    ("head dim not a multiple of 8", dict(v=torch.zeros(6, 2, 12, dtype=torch.bfloat16)), ValueError, ["12", "8"]),
+    ("v rows differ", dict(v=torch.zeros(7, 2, 16, dtype=torch.bfloat16)), ValueError, ["v's rows"]),
+    ("q not 3-D", dict(q=torch.zeros(5, 64, dtype=torch.bfloat16)), ValueError, ["q", "3 dimensions"]),
+    ("q not a tensor", dict(q=[[1.0]]), TypeError, ["q", "torch.Tensor"]),
+    ("missing q_offsets", dict(q_offsets=None), ValueError, ["q_offsets", "required"]),
+]
+
+
+@pytest.mark.parametrize("changes,error,words", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_raises_before_launch(recorder, changes, error, words):
+    args = with_changes(**changes)
+    snapshot = {name: x.clone() for name, x in args.items() if isinstance(x, torch.Tensor)}
+    with pytest.raises(error) as raised:
+        jfa.attention(**args, backend="recorder")
+    for word in words:
+        assert word in str(raised.value), (word, str(raised.value))
+    assert recorder.launched == 0
+    for name, x in snapshot.items():
+        assert torch.equal(args[name], x), f"{name} was modified"
+
+
+KEYWORD_BAD = [
+    ("max_q_len too small", dict(max_q_len=2), ValueError, ["max_q_len", "longest"]),
+    ("max_kv_len too small", dict(max_kv_len=3), ValueError, ["max_kv_len", "longest"]),
+    ("negative window", dict(window=-1), ValueError, ["window", ">= 0"]),
+    ("float window", dict(window=2.0), TypeError, ["window"]),
+    ("infinite scale", dict(sm_scale=math.inf), ValueError, ["sm_scale", "finite"]),
+    ("nan scale", dict(sm_scale=math.nan), ValueError, ["sm_scale", "finite"]),
+    ("non-bool causal", dict(causal=1), TypeError, ["causal", "bool"]),
+    ("unknown backend", dict(backend="nope"), ValueError, ["backend", "nope"]),
+    ("q_offsets with broadcast_q", dict(broadcast_q=True), ValueError, ["q_offsets", "broadcast_q"]),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,words", [b[1:] for b in KEYWORD_BAD], ids=[b[0] for b in KEYWORD_BAD])
+def test_bad_keyword_raises_before_launch(recorder, kwargs, error, words):
+    kwargs.setdefault("backend", "recorder")
+    with pytest.raises(error) as raised:
+        jfa.attention(**base(), **kwargs)
+    for word in words:
+        assert word in str(raised.value)
+    assert recorder.launched == 0
+
+
+def test_device_mismatch_is_named():
+    args = base()
+    args["kv_offsets"] = args["kv_offsets"].to("meta")
+    with pytest.raises(ValueError, match="kv_offsets is on meta"):
+        jfa.attention(**args, backend="bf16-model")
+
+
+def test_int64_offsets_are_converted_not_modified(recorder):
+    args = base()
+    args["q_offsets"] = args["q_offsets"].long()
+    before = args["q_offsets"].clone()
+    jfa.attention(**args, backend="recorder")
+    assert recorder.launched == 1 and args["q_offsets"].dtype == torch.int64
+    assert torch.equal(args["q_offsets"], before)
+
+
+def test_valid_edge_cases_are_accepted(recorder):
+    """B = 0, all-empty batches and broadcast_q with q_offsets None are valid."""
+    empty = torch.zeros(0, 2, 16, dtype=torch.bfloat16)
+    zero = torch.zeros(1, dtype=torch.int32)
+    jfa.attention(empty, empty, empty, zero, zero, backend="recorder")
+    none = offsets([0, 0, 0])
+    jfa.attention(empty, empty, empty, none, none, causal=True, window=0, backend="recorder")
+    q = torch.randn(5, 2, 16).bfloat16()
+    k = torch.randn(7, 1, 16).bfloat16()
+    jfa.attention(q, k, k, None, offsets([3, 4]), broadcast_q=True, backend="recorder")
+    assert recorder.launched == 3
+
+
+def test_unavailable_backend_is_a_clear_error():
+    reason = jfa.backends.get("torch-varlen").unavailable(torch.device("cpu"))
+    assert reason and "CUDA" in reason
+    with pytest.raises(RuntimeError, match="torch-varlen.*unavailable"):
+        jfa.attention(**base(), backend="torch-varlen")

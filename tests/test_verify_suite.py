@@ -1,0 +1,69 @@
+"""The verify suite end to end, as a user runs it: pytest -n 2 verify/ in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests import crashing
+
+REPO = Path(__file__).resolve().parent.parent
+SEGFAULT_CASE = "spec:q=3.4,kv=3.4,h=2/1,d=64,bf16,values=normal,layout=contiguous,seed=1"
+FAULT_CASE = "spec:q=4.5,kv=4.5,h=2/1,d=64,bf16,values=normal,layout=contiguous,seed=2"
+GOOD_CASES = ["uniform:0", "broadcast_q:0"]
+
+
+def run_suite(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    results = tmp_path / "results.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-p", "no:cacheprovider", "verify/",
+                           "--jfa-results", str(results), *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    records = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
+    return proc, records
+
+
+def test_crashing_backend_fails_its_cases_and_the_run_goes_on(tmp_path):
+    assert sum(int(n) for n in SEGFAULT_CASE.split("q=")[1].split(",")[0].split(".")) == crashing.SEGFAULT_ROWS
+    assert sum(int(n) for n in FAULT_CASE.split("q=")[1].split(",")[0].split(".")) == crashing.FAULT_ROWS
+    cases = [SEGFAULT_CASE, FAULT_CASE, *GOOD_CASES]
+    proc, records = run_suite(tmp_path, "--jfa-backend", "tests.crashing:attention",
+                              *[arg for case in cases for arg in ("--jfa-case", case)])
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert records[0]["kind"] == "environment"
+    by_case: dict[str, set[str]] = {}
+    for r in records[1:]:
+        by_case.setdefault(r["case"], set()).add(r["status"])
+    assert by_case[SEGFAULT_CASE] == {"crash"} and by_case[FAULT_CASE] == {"crash"}, by_case
+    for case in GOOD_CASES:
+        assert by_case[case] == {"pass"}, (case, by_case)
+    # The crash is reported with the case id, and the summary table is printed.
+    assert "crashed" in proc.stdout and SEGFAULT_CASE in proc.stdout
+    assert "jfa verify summary" in proc.stdout and "tests.crashing:attention" in proc.stdout
+
+
+def test_planted_bug_fails_with_location_and_replay(tmp_path):
+    proc, records = run_suite(tmp_path, "--jfa-backend", "tests.planted:lse_base2", "--jfa-case", "uniform:0")
+    assert proc.returncode == 1
+    assert "on uniform:0 [forward] lse: failed" in proc.stdout and "worst at sequence" in proc.stdout
+    assert "replay: pytest verify/ --jfa-backend 'tests.planted:lse_base2' --jfa-case 'uniform:0'" in proc.stdout
+    failed = [r for r in records[1:] if r["status"] == "fail"]
+    assert {(r["test"], r["tensor"]) for r in failed} == {("forward", "lse")}
+
+
+def test_shards_partition_the_profile(tmp_path):
+    """Two shards run disjoint case lists whose union is the unsharded list."""
+    seen = []
+    for shard in ("0/2", "1/2"):
+        proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "verify/", "--jfa-profile",
+                               "smoke", "--jfa-backend", "bf16-model", "--shard", shard], cwd=REPO,
+                              env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300)
+        seen.append({line for line in proc.stdout.splitlines() if "::test_case[" in line})
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "verify/", "--jfa-profile", "smoke",
+                           "--jfa-backend", "bf16-model"], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=300)
+    whole = {line for line in proc.stdout.splitlines() if "::test_case[" in line}
+    assert seen[0] and seen[1] and not seen[0] & seen[1] and seen[0] | seen[1] == whole
