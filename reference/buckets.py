@@ -17,8 +17,8 @@ from jfa.mask import visible_torch
 from jfa.problem import Problem
 
 # Elements of one [G, H, q_chunk, kv_chunk] score block: bounds the working set of every chunked loop
-# (8M float64 = 64 MiB per temporary).
-DEFAULT_BLOCK_ELEMENTS = 1 << 23
+# (2M float64 = 16 MiB per temporary; a backward chunk holds a few dozen).
+DEFAULT_BLOCK_ELEMENTS = 1 << 21
 
 
 def _pow2_at_least(n: torch.Tensor) -> torch.Tensor:
@@ -121,6 +121,17 @@ def scatter_rows(target: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, 
         target.index_add_(0, idx, vals.to(target.dtype))
     else:
         target[idx] = vals.to(target.dtype)
+
+
+def scatter_row_heads(target: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, values: torch.Tensor,
+                      accumulate: bool) -> None:
+    """Writes (or adds) per-row values [G, H, L] into target [H, rows] at the valid rows."""
+    vals = values.permute(0, 2, 1)[valid].T.to(target.dtype)
+    idx = rows[valid]
+    if accumulate:
+        target.index_add_(1, idx, vals)
+    else:
+        target[:, idx] = vals
 
 
 def head_map(problem: Problem, device) -> torch.Tensor:

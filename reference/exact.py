@@ -46,6 +46,7 @@ from reference.buckets import (
     gather_heads,
     head_map,
     reduce_groups,
+    scatter_row_heads,
     scatter_rows,
 )
 
@@ -56,7 +57,9 @@ U32 = 2.0**-24
 @dataclass
 class Reference:
     """Float64 values of out [out_rows, Hq, Dv], lse [Hq, out_rows] (-inf for rows with no visible key) and,
-    after a backward, dq, dk, dv; per tensor its bound and the bound's logit-rounding part (float32)."""
+    after a backward, dq, dk, dv; per tensor its bound (float32, like the value) and the bound's
+    logit-rounding part, as an upper bound of its maximum over each row and head ([H, rows] float32: the
+    baseline check needs only block maxima, and a per-element copy would not fit 64k-token sequences)."""
 
     values: dict[str, torch.Tensor]
     bounds: dict[str, torch.Tensor]
@@ -138,7 +141,7 @@ def reference(q, k, v, problem: Problem, dout: torch.Tensor | None = None, devic
     lse = torch.full((hq, rows), -math.inf, dtype=F64, device=device)
     r_rows = torch.zeros(hq, rows, dtype=F64, device=device)
     bounds = {"out": torch.zeros(rows, hq, dv_dim, **f32), "lse": torch.zeros(hq, rows, **f32)}
-    logit_bounds = {name: torch.zeros_like(b) for name, b in bounds.items()}
+    logit_bounds = {name: torch.zeros(hq, rows, **f32) for name in bounds}
     key_seen = torch.zeros(problem.kv_rows, dtype=torch.bool, device=device)
 
     for bucket in _buckets(problem, inputs):
@@ -167,14 +170,14 @@ def reference(q, k, v, problem: Problem, dout: torch.Tensor | None = None, devic
             rows_sel, valid = bucket.out_rows[:, q0:q1], bucket.q_valid[:, q0:q1]
             logit_out = w * (acc_pav + r.unsqueeze(-1) * acc_pv)
             b_out = u * (acc_out.abs() + acc_pv) + logit_out + eta * (acc_mv + 1)
-            for target, values in ((out, acc_out), (bounds["out"], b_out), (logit_bounds["out"], logit_out)):
+            for target, values in ((out, acc_out), (bounds["out"], b_out)):
                 scatter_rows(target, rows_sel, valid, values, accumulate=False)
             empty = torch.isinf(row_lse)
             logit_lse = torch.where(empty, 0.0, w * r_lse)
             b_lse = torch.where(empty, 0.0, U32 * (2 * row_lse.abs() + 2 * torch.log2(count + 1.0) + 4)) + logit_lse
             for target, values in ((lse, row_lse), (bounds["lse"], b_lse), (logit_bounds["lse"], logit_lse),
-                                   (r_rows, r)):
-                target[:, rows_sel[valid]] = values.permute(0, 2, 1)[valid].T.to(target.dtype)
+                                   (logit_bounds["out"], logit_out.amax(-1)), (r_rows, r)):
+                scatter_row_heads(target, rows_sel, valid, values, accumulate=False)
 
     result = Reference(values={"out": out, "lse": lse}, bounds=bounds, logit_bounds=logit_bounds, key_seen=key_seen)
     if dout is not None:
@@ -191,13 +194,15 @@ def underflow_floor(dtype: torch.dtype) -> float:
 def _backward(result: Reference, r_rows, inputs, dout, problem: Problem, u: float, w: float, eta: float) -> None:
     q, k, v, hmap, scale = inputs
     device = q.device
-    # Per gradient: value, bound beyond u|value| + η, and its logit-rounding part.
-    grads = {name: [torch.zeros(x.shape, dtype=F64, device=device) for _ in range(3)]
+    # Per gradient: the float64 value, its bound beyond u|value| + η (float32) and the logit part ([H, rows]).
+    grads = {name: (torch.zeros(x.shape, dtype=F64, device=device), torch.zeros(x.shape, dtype=torch.float32,
+                                                                               device=device),
+                    torch.zeros(x.shape[1], x.shape[0], dtype=torch.float32, device=device))
              for name, x in (("dq", q), ("dk", k), ("dv", v))}
     # D = rowsum(dO∘O) from the exact output, and its bound b_D = rowsum(|dO|∘b_O) (and logit part).
     delta = (dout.to(F64) * result.out).sum(-1).T
     bound_delta = (dout.abs().to(F64) * result.bounds["out"].to(F64)).sum(-1).T
-    logit_delta = (dout.abs().to(F64) * result.logit_bounds["out"].to(F64)).sum(-1).T
+    logit_delta = dout.abs().to(F64).sum(-1).T * result.logit_bounds["out"]
 
     for bucket in _buckets(problem, inputs):
         q_chunk, kv_chunk = chunk_sizes(bucket)
@@ -229,14 +234,20 @@ def _backward(result: Reference, r_rows, inputs, dout, problem: Problem, u: floa
                            (w * envelope).transpose(-1, -2) @ do.abs()),
                 }
                 kv_rows, kv_valid = bucket.kv_rows[:, k0:k1], bucket.kv_valid[:, k0:k1]
-                for name, parts in per_key.items():
-                    for target, values in zip(grads[name], parts, strict=True):
-                        scatter_rows(target, kv_rows, kv_valid, reduce_groups(values, problem), accumulate=True)
+                for name, (value, part, logit_part) in per_key.items():
+                    target_value, target_part, target_logit = grads[name]
+                    scatter_rows(target_value, kv_rows, kv_valid, reduce_groups(value, problem), True)
+                    scatter_rows(target_part, kv_rows, kv_valid, reduce_groups(part, problem), True)
+                    # Summing per-chunk row maxima bounds the row maximum of the sum.
+                    row_max = reduce_groups(logit_part, problem).amax(-1)
+                    scatter_row_heads(target_logit, kv_rows, kv_valid, row_max, True)
             q_rows, q_valid = bucket.q_rows[:, q0:q1], bucket.q_valid[:, q0:q1]
-            for target, values in zip(grads["dq"], acc_dq, strict=True):
-                scatter_rows(target, q_rows, q_valid, values, accumulate=True)
+            value, part, logit_part = grads["dq"]
+            scatter_rows(value, q_rows, q_valid, acc_dq[0], accumulate=True)
+            scatter_rows(part, q_rows, q_valid, acc_dq[1], accumulate=True)
+            scatter_row_heads(logit_part, q_rows, q_valid, acc_dq[2].amax(-1), accumulate=True)
 
     for name, (value, part, logit_part) in grads.items():
         result.values[name] = value
-        result.bounds[name] = (u * value.abs() + part + eta).float()
-        result.logit_bounds[name] = logit_part.float()
+        result.bounds[name] = part.add_(u * value.abs()).add_(eta)
+        result.logit_bounds[name] = logit_part

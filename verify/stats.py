@@ -179,8 +179,8 @@ def compare(
         base_err = torch.where(graded, (xb - r).abs(), 0.0).nan_to_num(nan=math.inf)
         block_base = _segment_max(base_err.amax(-1), seg, n_seg)
         block_ref = _segment_max(magnitude.amax(-1), seg, n_seg)
-        logit = as_rows(logit_bound.to(device, torch.float64), name)
-        block_logit = _segment_max(torch.where(graded, logit, 0.0).amax(-1), seg, n_seg)
+        # logit_bound is [H, rows]: an upper bound of each row's (and head's) logit-rounding bound.
+        block_logit = _segment_max(logit_bound.to(device, torch.float64).T, seg, n_seg)
         allowed = BASELINE_FACTOR * block_base + 2 * u * block_ref + block_logit
         block_ratio = torch.where(allowed > 0, block_err / allowed.clamp_min(1e-300),
                                   torch.where(block_err > 0, math.inf, 0.0))
