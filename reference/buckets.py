@@ -96,20 +96,32 @@ def chunks(length: int, size: int) -> Iterator[tuple[int, int]]:
 
 
 def chunk_sizes(bucket: Bucket, block_elements: int = DEFAULT_BLOCK_ELEMENTS) -> tuple[int, int]:
-    """Query and key chunk lengths whose score block stays within `block_elements`."""
-    groups_heads = bucket.seqs.numel() * bucket.problem.q_heads
-    kv_chunk = min(bucket.kv_pad, max(1, block_elements // (groups_heads * min(bucket.q_pad, 1024))))
-    q_chunk = min(bucket.q_pad, max(1, block_elements // (groups_heads * kv_chunk)))
+    """Query and key chunk lengths whose score block stays within `block_elements` per sequence.
+
+    They depend on the padded lengths only, never on how many sequences share the bucket, so a sequence is
+    chunked (and its sums ordered) the same alone and in any batch: the bf16 model is batch invariant.
+    (`buckets` bounds the group so that whole small sequences fit the budget together.)
+    """
+    heads = bucket.problem.q_heads
+    kv_chunk = min(bucket.kv_pad, max(1, block_elements // (heads * min(bucket.q_pad, 1024))))
+    q_chunk = min(bucket.q_pad, max(1, block_elements // (heads * kv_chunk)))
     return q_chunk, kv_chunk
 
 
 def gather_heads(x: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype, head_map: torch.Tensor | None = None
                  ) -> torch.Tensor:
-    """x[rows] as [G, H, L, D] in `dtype`; head_map expands key/value heads to query heads (GQA)."""
+    """x[rows] as [G, H, L, D] in `dtype`; head_map expands key/value heads to query heads (GQA).
+
+    Rows of padding index row 0, so an empty x (a batch without keys) gives zeros, which masks then drop.
+    The result is contiguous: torch's CPU matmul takes a different path for a strided operand when G = 1
+    than when G > 1, which would make a sequence's bits depend on how many sequences share its bucket.
+    """
+    if x.shape[0] == 0:
+        x = x.new_zeros(1, *x.shape[1:])
     g = x[rows.flatten()].to(dtype)
     if head_map is not None:
         g = g.index_select(1, head_map)
-    return g.view(*rows.shape, *g.shape[1:]).permute(0, 2, 1, 3)
+    return g.view(*rows.shape, *g.shape[1:]).permute(0, 2, 1, 3).contiguous()
 
 
 def scatter_rows(target: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, values: torch.Tensor,

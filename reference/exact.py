@@ -84,6 +84,8 @@ def identical_keys(bucket: Bucket, k: torch.Tensor, hmap: torch.Tensor) -> torch
     this, logits of ~1e11 (q = k = 133120) would make the logit-rounding term swamp every other check.
     """
     rows, valid = bucket.kv_rows, bucket.kv_valid
+    if k.shape[0] == 0:  # no keys at all: vacuously identical
+        return torch.ones(rows.shape[0], hmap.numel(), 1, 1, dtype=torch.bool, device=k.device)
     first = k[rows[:, 0]]
     same = torch.ones(first.shape[:2], dtype=torch.bool, device=k.device)
     for k0, k1 in chunks(bucket.kv_pad, 4096):

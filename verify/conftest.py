@@ -73,6 +73,10 @@ def pytest_configure(config):
         gpu = config.workerinput.get("jfa_gpu")
         if gpu is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+        # Each worker's CPU work (reference, model, interpreter) gets its share of the cores: torch's
+        # default of one thread per core in every worker oversubscribes them (smoke: 131 s against 11.5 s).
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     global _SESSION
     config.jfa_session = _SESSION = Session(config)
 
@@ -96,12 +100,13 @@ def pytest_generate_tests(metafunc):
         else:
             params.append(pytest.param((spec, None, None), id=f"{spec}|unavailable",
                                        marks=pytest.mark.skip(reason=f"{spec} unavailable: {reason}")))
-    # Case-major order, each case one xdist group: its reference is computed once, on one worker.
+    # Case-major order: xdist's load scheduling hands out consecutive tests together, so a case's tests
+    # mostly meet its cached reference on one worker. (--dist loadgroup would guarantee it, but xdist
+    # cannot replace a crashed worker under loadgroup: pytest-xdist#1189.)
     for case_id in session.case_ids:
         for spec in available:
             for test in TESTS:
-                params.append(pytest.param((spec, case_id, test), id=f"{spec}|{case_id}|{test}",
-                                           marks=pytest.mark.xdist_group(case_id)))
+                params.append(pytest.param((spec, case_id, test), id=f"{spec}|{case_id}|{test}"))
     metafunc.parametrize("jfa_combo", params)
 
 
