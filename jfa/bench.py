@@ -1,0 +1,272 @@
+"""Benchmark of jfa's kernels against their peers on DESIGN.md's workloads: `python -m jfa.bench`.
+
+Rows (DESIGN.md "Reference figures"; lengths drawn with a fixed seed, q and kv lengths equal):
+  gem        1024 sequences U[400, 1000), H 4
+  long       8 × 4096, H 16
+  skew       1 × 32768 + 2047 × U[1, 64], H 8
+  tiny       32768 × U[1, 32], H 4          (memory-bound: GB/s of compulsory traffic is reported)
+  broadcast  q 128 shared, kv GEM-like (1024 × U[400, 1000)), H 4
+
+Every backend named by --backends (default: triton, tlx, torch-varlen, flex; unavailable ones are skipped
+with the reason) runs through jfa.attention, so each includes the op's validation and host work. Timings
+are triton.testing.do_bench means (warm-up first; the first calls, which compile and autotune, are made
+before timing). Reported: forward time, forward+backward time, backward = (fwd+bwd) − fwd, TFLOP/s that
+count only visible (query, key) pairs — forward 4·pairs·D per head, backward 2.5× that — the ratio of
+each to torch-varlen (FlashAttention-2), GB/s of compulsory traffic (inputs read and outputs written
+once: q, k, v, out, lse forward; q, k, v, out, dout, lse read and dq, dk, dv written backward), and peak
+extra memory (torch.cuda.max_memory_allocated minus inputs and outputs). --json writes everything with
+the environment (GPU, driver, CUDA, torch, triton versions, date).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+
+import numpy as np
+
+ROWS = ("gem", "long", "skew", "tiny", "broadcast")
+DEFAULT_BACKENDS = ("triton", "tlx", "torch-varlen", "flex")
+
+
+def lengths(row: str, seed: int = 0):
+    """(q_lens, kv_lens, heads, broadcast_q) of a row."""
+    rng = np.random.default_rng(seed)
+    if row == "gem":
+        lens = rng.integers(400, 1000, 1024)
+        return lens, lens, 4, False
+    if row == "long":
+        lens = np.full(8, 4096)
+        return lens, lens, 16, False
+    if row == "skew":
+        lens = np.concatenate([[32768], rng.integers(1, 65, 2047)])
+        return lens, lens, 8, False
+    if row == "tiny":
+        lens = rng.integers(1, 33, 32768)
+        return lens, lens, 4, False
+    if row == "broadcast":
+        kv = rng.integers(400, 1000, 1024)
+        return np.full(kv.size, 128), kv, 4, True
+    raise ValueError(f"unknown row {row!r}; rows are {ROWS}")
+
+
+def visible_pairs(q_lens, kv_lens, window: int | None, causal: bool) -> int:
+    """Exact number of visible (query, key) pairs: row i sees keys [max(0, i - w), min(kv - 1, i + w,
+    i + kv - q)] (jfa.block_info's per-row interval)."""
+    q_lens = np.asarray(q_lens, dtype=np.int64)
+    kv_lens = np.asarray(kv_lens, dtype=np.int64)
+    if window is None and not causal:
+        return int((q_lens * kv_lens).sum())
+    seq = np.repeat(np.arange(q_lens.size), q_lens)
+    i = np.arange(seq.size) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+    q, kv = q_lens[seq], kv_lens[seq]
+    lo = np.zeros_like(i)
+    hi = kv - 1
+    if window is not None:
+        lo = np.maximum(lo, i - window)
+        hi = np.minimum(hi, i + window)
+    if causal:
+        hi = np.minimum(hi, i + kv - q)
+    return int(np.maximum(hi - lo + 1, 0).sum())
+
+
+def environment() -> dict:
+    import torch
+    import triton
+
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(),
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+    }
+    try:
+        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                       capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        env["driver"] = "unknown"
+    return env
+
+
+def _offsets(lens, device):
+    import torch
+
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    out[1:] = torch.as_tensor(np.asarray(lens, dtype=np.int64)).cumsum(0)
+    return out.to(device)
+
+
+def bench_row(row: str, backends, dtype, head_dim: int, causal: bool, window, repeats: int, seed: int):
+    import torch
+
+    from jfa import backends as registry
+    from jfa.peers import Unsupported
+
+    device = torch.device("cuda")
+    q_lens, kv_lens, heads, broadcast = lengths(row, seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    q_rows = int(q_lens[0]) if broadcast else int(q_lens.sum())
+    out_rows, kv_rows = int(q_lens.sum()), int(kv_lens.sum())
+
+    def make(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    q, k, v = make(q_rows, heads, head_dim), make(kv_rows, heads, head_dim), make(kv_rows, heads, head_dim)
+    dout = make(out_rows, heads, head_dim)
+    q_off = None if broadcast else _offsets(q_lens, device)
+    kv_off = _offsets(kv_lens, device)
+    kwargs = dict(max_q_len=int(q_lens.max()), max_kv_len=int(kv_lens.max()), causal=causal, window=window,
+                  broadcast_q=broadcast)
+    pairs = visible_pairs(q_lens, kv_lens, window, causal) * heads
+    fwd_flops = 4.0 * pairs * head_dim
+    bwd_flops = 2.5 * fwd_flops
+    elem = torch.finfo(dtype).bits // 8
+    io = dict(q=q.numel(), k=k.numel(), v=v.numel(), out=out_rows * heads * head_dim)
+    fwd_bytes = elem * (io["q"] + io["k"] + io["v"] + io["out"]) + 4 * heads * out_rows
+    bwd_bytes = elem * (2 * (io["q"] + io["k"] + io["v"]) + 2 * io["out"]) + 4 * heads * out_rows
+    input_bytes = elem * (io["q"] + io["k"] + io["v"] + io["out"])  # q, k, v and dout
+
+    results = []
+    for name in backends:
+        record = {"row": row, "backend": name, "pairs": pairs, "fwd_flops": fwd_flops, "bwd_flops": bwd_flops}
+        try:
+            impl = registry.get(name)
+            reason = impl.unavailable(device)
+        except Exception as error:  # noqa: BLE001 - an unknown or broken backend is a skip
+            reason = f"{type(error).__name__}: {error}"
+        if reason is not None:
+            record["skipped"] = reason
+            results.append(record)
+            print(f"  {row:9s} {name:13s} skipped: {reason}", flush=True)
+            continue
+        try:
+            _measure(record, name, (q, k, v, q_off, kv_off, dout), kwargs,
+                     outputs=elem * io["out"] + 4 * heads * out_rows, grads=elem * (io["q"] + io["k"] + io["v"]),
+                     repeats=repeats)
+        except (Unsupported, NotImplementedError) as error:
+            record["skipped"] = f"{type(error).__name__}: {error}"
+        except Exception as error:  # noqa: BLE001 - report and go on with the other backends
+            record["error"] = f"{type(error).__name__}: {str(error)[:500]}"
+        if "fwdbwd_ms" in record:
+            record["bwd_ms"] = record["fwdbwd_ms"] - record["fwd_ms"]
+            record["fwd_tflops"] = fwd_flops / record["fwd_ms"] * 1e-9
+            record["bwd_tflops"] = bwd_flops / record["bwd_ms"] * 1e-9 if record["bwd_ms"] > 0 else float("nan")
+            record["fwd_gbps"] = fwd_bytes / record["fwd_ms"] * 1e-6
+            record["bwd_gbps"] = bwd_bytes / record["bwd_ms"] * 1e-6 if record["bwd_ms"] > 0 else float("nan")
+        results.append(record)
+        torch.cuda.empty_cache()
+        _print_record(record)
+    peer = next((r for r in results if r["backend"] == "torch-varlen" and "bwd_ms" in r), None)
+    for r in results:
+        if peer and "bwd_ms" in r:
+            r["fwd_vs_varlen"] = peer["fwd_ms"] / r["fwd_ms"]
+            r["bwd_vs_varlen"] = peer["bwd_ms"] / r["bwd_ms"] if r["bwd_ms"] > 0 else float("nan")
+    return results, input_bytes
+
+
+def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: int) -> None:
+    """Times forward and forward+backward of one backend into `record` (ms, peak extra bytes)."""
+    import torch
+    import triton.testing
+
+    import jfa
+
+    q, k, v, q_off, kv_off, dout = inputs
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+
+    def forward():
+        with torch.no_grad():
+            return jfa.attention(q, k, v, q_off, kv_off, backend=name, **kwargs)
+
+    def forward_backward():
+        out = jfa.attention(*leaves, q_off, kv_off, backend=name, **kwargs)
+        return torch.autograd.grad(out, leaves, dout)
+
+    for fn, key, out_bytes in ((forward, "fwd", outputs), (forward_backward, "fwdbwd", outputs + grads)):
+        fn()  # compile, autotune, cache the schedule
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        result = fn()
+        torch.cuda.synchronize()
+        record[f"{key}_extra_bytes"] = max(0, torch.cuda.max_memory_allocated() - base - out_bytes)
+        del result
+        times = [triton.testing.do_bench(fn, warmup=25, rep=100) for _ in range(repeats)]
+        record[f"{key}_ms"] = float(np.median(times))
+
+
+def _print_record(r):
+    if "fwd_ms" not in r or "fwdbwd_ms" not in r:
+        print(f"  {r['row']:9s} {r['backend']:13s} {r.get('skipped') or r.get('error')}", flush=True)
+        return
+    print(f"  {r['row']:9s} {r['backend']:13s} fwd {r['fwd_ms']:8.3f} ms {r['fwd_tflops']:6.1f} TF/s  "
+          f"bwd {r['bwd_ms']:8.3f} ms {r['bwd_tflops']:6.1f} TF/s", flush=True)
+
+
+def print_table(results) -> None:
+    head = (f"{'row':9s} {'backend':13s} {'fwd ms':>8s} {'TF/s':>6s} {'xFA2':>5s} {'bwd ms':>8s} {'TF/s':>6s} "
+            f"{'xFA2':>5s} {'fwd GB/s':>8s} {'bwd GB/s':>8s} {'extra MiB f/fb':>15s}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        if "fwd_ms" not in r or "fwdbwd_ms" not in r:
+            print(f"{r['row']:9s} {r['backend']:13s} {r.get('skipped') or r.get('error')}")
+            continue
+
+        def ratio(key, r=r):
+            return f"{r[key]:5.2f}" if key in r else "    -"
+
+        extra = f"{r['fwd_extra_bytes'] / 2**20:.0f}/{r['fwdbwd_extra_bytes'] / 2**20:.0f}"
+        print(f"{r['row']:9s} {r['backend']:13s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:6.1f} {ratio('fwd_vs_varlen')} "
+              f"{r['bwd_ms']:8.3f} {r['bwd_tflops']:6.1f} {ratio('bwd_vs_varlen')} {r['fwd_gbps']:8.0f} "
+              f"{r['bwd_gbps']:8.0f} {extra:>15s}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="jfa kernels vs peers on DESIGN.md's workloads (CUDA only)")
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    parser.add_argument("--backends", nargs="+", default=list(DEFAULT_BACKENDS))
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--window", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3, help="do_bench calls per measurement (median)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write results and environment here")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("jfa.bench needs a CUDA GPU (none is visible): nothing to measure on the CPU")
+        return 2
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    env = environment()
+    print(f"{env['gpu']}  driver {env['driver']}  CUDA {env['cuda']}  torch {env['torch']}  triton {env['triton']}  "
+          f"{args.dtype} D={args.head_dim} causal={args.causal} window={args.window}", flush=True)
+    print("TFLOP/s count visible pairs only: forward 4·pairs·D per head, backward 2.5x that; "
+          "backward time = (fwd+bwd) - fwd; xFA2 = torch-varlen time / this time.", flush=True)
+    results = []
+    for row in args.rows:
+        rows, _ = bench_row(row, args.backends, dtype, args.head_dim, args.causal, args.window, args.repeats,
+                            args.seed)
+        results += rows
+    print()
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "args": vars(args), "results": results}, f, indent=1, default=str)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""Host-side tile tables for the persistent kernels, shared by forward and backward (and the TLX backend).
+
+A *tile* is one work item of a kernel. Ordinary sequences are cut into blocks along one dimension:
+- query tiles (forward, dQ): (sequence, query block start, query head); the work of a tile is the number
+  of key blocks it visits (`jfa.block_info.kv_block_range`, so causal and window masks are counted);
+- key tiles (dK/dV): (sequence, key block start, key/value head); work = query blocks that see it, times
+  the query heads of the group.
+Tables hold one *entry* (sequence, block start) per block, sorted by work descending (stable, so ties keep
+sequence order); tile t of a kernel is entry t // heads, head t % heads (the heads of an entry are
+adjacent, so the query heads of a GQA group run together and share their key/value blocks in L2).
+
+Tiles are dealt to persistent programs in one of three ways (the kernels implement them; the functions
+below are the host reference the tests compare against):
+- STATIC: zigzag (boustrophedon) dealing of the sorted tiles: in round r program p takes tile
+  r·P + p when r is even and r·P + (P - 1 - p) when r is odd, so the heaviest tiles spread over programs
+  and each program's total work evens out;
+- DYNAMIC: a program takes tile `pid` first and then the next unclaimed tile from an atomic counter (the
+  Hopper stand-in for Blackwell's Cluster Launch Control): greedy longest-processing-time-first;
+- GRID: one program per tile (no persistence), hardware block order.
+
+Tiny sequences are packed: a sequence with 0 < max(q_len, kv_len) <= pack_block goes into a packed tile
+(pack_block × pack_block) of slot size S = 16, 32, ... (the smallest power of two >= 16 holding both of
+its lengths); a tile holds pack_block // S sequences of the same S, each at rows and keys
+[slot·S, slot·S + S) of the tile (block-diagonal mask). Slots are 16-aligned (the MMA's K granularity),
+and the class S depends on the sequence's own lengths only, so a sequence's arithmetic is the same in
+any slot, alone or in a batch (see `jfa.softmax.chunked_row_sum`). 32k sequences of length <= 32 become
+~12k tiles of 64 (each program doing every head of its tile in a software-pipelined loop) rather than 32k
+mostly-empty ones, and one program does the whole backward of a packed tile.
+
+Everything is vectorised numpy over sequences and blocks (B = 70,000 sequences take milliseconds); no
+grid axis ever exceeds 65,535 because the kernels are persistent over a 1-D grid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jfa.block_info import kv_block_range_np, q_block_range_np
+
+STATIC, DYNAMIC, GRID = 0, 1, 2
+SCHEDULES = {"static": STATIC, "dynamic": DYNAMIC, "grid": GRID}
+PACK_ALIGN = 16  # packed slots start at multiples of this (the MMA's reduction granularity)
+
+
+@dataclass(frozen=True)
+class TileTable:
+    """Sorted entries (sequence, block start) of one kernel; tiles = entries × heads."""
+
+    entries: np.ndarray  # int32 [n, 2]
+    work: np.ndarray  # int64 [n]: blocks of the other dimension each tile visits (per head)
+    heads: int
+
+    @property
+    def n_entries(self) -> int:
+        return int(self.entries.shape[0])
+
+    @property
+    def n_tiles(self) -> int:
+        return self.n_entries * self.heads
+
+    def tile(self, t: int) -> tuple[int, int, int]:
+        """(sequence, block start, head) of tile t, as the kernels decode it."""
+        entry, head = divmod(t, self.heads)
+        return int(self.entries[entry, 0]), int(self.entries[entry, 1]), head
+
+
+@dataclass(frozen=True)
+class PackTable:
+    """Packed tiles: slot s of group g holds sequence seqs[g, s] (-1: empty); slot size 1 << shift[g]."""
+
+    seqs: np.ndarray  # int32 [n_groups, block // PACK_ALIGN]
+    shift: np.ndarray  # int32 [n_groups]
+    block: int
+
+    @property
+    def n_groups(self) -> int:
+        return int(self.shift.shape[0])
+
+    @property
+    def n_tiles(self) -> int:
+        """One tile per group: its program loops over the heads (a software-pipelined inner loop)."""
+        return self.n_groups
+
+
+def _as_int64(x) -> np.ndarray:
+    if hasattr(x, "numpy"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x, dtype=np.int64)
+
+
+def split_packable(q_lens, kv_lens, pack_block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of the sequences for ordinary tiles and of those packed (0 < max length <= pack_block).
+
+    Sequences with no query and no key rows appear in neither: they have nothing to compute or write.
+    """
+    q_lens, kv_lens = _as_int64(q_lens), _as_int64(kv_lens)
+    longest = np.maximum(q_lens, kv_lens)
+    packed = (longest > 0) & (longest <= pack_block) if pack_block > 0 else np.zeros_like(longest, bool)
+    main = (longest > 0) & ~packed
+    return np.flatnonzero(main), np.flatnonzero(packed)
+
+
+def _blocks(seqs: np.ndarray, lens: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sequence, block start) for every block of every listed sequence, in sequence order."""
+    counts = (lens[seqs] + block - 1) // block
+    seq_rep = np.repeat(seqs, counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    starts = (np.arange(seq_rep.size, dtype=np.int64) - first) * block
+    return seq_rep, starts
+
+
+def _sorted_table(seq_rep, starts, work, heads: int) -> TileTable:
+    order = np.argsort(-work, kind="stable")
+    entries = np.stack([seq_rep[order], starts[order]], axis=1).astype(np.int32)
+    return TileTable(entries=np.ascontiguousarray(entries), work=work[order], heads=heads)
+
+
+def query_tiles(q_lens, kv_lens, seqs, block_m: int, block_n: int, window: int | None, causal: bool,
+                heads: int) -> TileTable:
+    """Tiles over query blocks (forward, dQ), sorted by the number of key blocks visited."""
+    q_lens, kv_lens, seqs = _as_int64(q_lens), _as_int64(kv_lens), _as_int64(seqs)
+    seq_rep, m0 = _blocks(seqs, q_lens, block_m)
+    q_len, kv_len = q_lens[seq_rep], kv_lens[seq_rep]
+    lo, _, _, hi = kv_block_range_np(m0, np.minimum(m0 + block_m, q_len), q_len, kv_len, window, block_n, causal)
+    return _sorted_table(seq_rep, m0, (hi - lo) // block_n, heads)
+
+
+def key_tiles(q_lens, kv_lens, seqs, block_n: int, block_m: int, window: int | None, causal: bool,
+              heads: int, group: int = 1) -> TileTable:
+    """Tiles over key blocks (dK/dV), sorted by the number of query blocks (times group heads) that see them."""
+    q_lens, kv_lens, seqs = _as_int64(q_lens), _as_int64(kv_lens), _as_int64(seqs)
+    seq_rep, n0 = _blocks(seqs, kv_lens, block_n)
+    q_len, kv_len = q_lens[seq_rep], kv_lens[seq_rep]
+    lo, _, _, hi = q_block_range_np(n0, np.minimum(n0 + block_n, kv_len), q_len, kv_len, window, block_m, causal)
+    return _sorted_table(seq_rep, n0, (hi - lo) // block_m * group, heads)
+
+
+def slot_shift(q_lens, kv_lens) -> np.ndarray:
+    """log2 of the packed slot size of each sequence: the smallest power of two >= 16 >= both lengths."""
+    longest = np.maximum(np.maximum(_as_int64(q_lens), _as_int64(kv_lens)), PACK_ALIGN)
+    shift = np.ceil(np.log2(longest.astype(np.float64))).astype(np.int64)
+    shift += (np.left_shift(1, shift) < longest)  # guard against log2 rounding
+    return shift
+
+
+def pack_tiles(q_lens, kv_lens, seqs, block: int) -> PackTable:
+    """Groups the listed (packable) sequences into block × block tiles of equal slot size."""
+    q_lens, kv_lens, seqs = _as_int64(q_lens), _as_int64(kv_lens), _as_int64(seqs)
+    slots = block // PACK_ALIGN
+    shifts = slot_shift(q_lens[seqs], kv_lens[seqs])
+    groups, group_shift = [], []
+    # Largest slots first (their tiles carry the most work); within a class, sequence order.
+    for shift in np.unique(shifts)[::-1]:
+        members = seqs[shifts == shift]
+        per_tile = block >> int(shift)
+        n_groups = -(-members.size // per_tile)
+        table = np.full((n_groups, slots), -1, dtype=np.int64)
+        padded = np.full(n_groups * per_tile, -1, dtype=np.int64)
+        padded[: members.size] = members
+        table[:, :per_tile] = padded.reshape(n_groups, per_tile)
+        groups.append(table)
+        group_shift.append(np.full(n_groups, shift, dtype=np.int64))
+    if groups:
+        seq_table = np.concatenate(groups).astype(np.int32)
+        shift_table = np.concatenate(group_shift).astype(np.int32)
+    else:
+        seq_table = np.zeros((0, slots), dtype=np.int32)
+        shift_table = np.zeros(0, dtype=np.int32)
+    return PackTable(seqs=np.ascontiguousarray(seq_table), shift=shift_table, block=block)
+
+
+def profile_class(q_lens, kv_lens, pack_block: int) -> int:
+    """A coarse length profile of the batch, the autotuning key: 0 empty or packed only, 1 short
+    (longest <= 1024), 2 long."""
+    q_lens, kv_lens = _as_int64(q_lens), _as_int64(kv_lens)
+    longest = int(np.maximum(q_lens, kv_lens).max()) if q_lens.size else 0
+    if longest <= pack_block:
+        return 0
+    return 1 if longest <= 1024 else 2
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every tile table one call needs. Forward and backward may pack up to different sizes (their kernels
+    have different register budgets); each pass's split depends only on a sequence's own lengths."""
+
+    fwd: TileTable
+    dq: TileTable
+    dkv: TileTable
+    packed_fwd: PackTable
+    packed_bwd: PackTable
+    profile: int
+
+
+def build_schedule(q_lens, kv_lens, *, q_heads: int, kv_heads: int, window: int | None, causal: bool,
+                   fwd_blocks: tuple[int, int], dq_blocks: tuple[int, int], dkv_blocks: tuple[int, int],
+                   pack_fwd: int, pack_bwd: int) -> Schedule:
+    """Tile tables of all kernels. *_blocks are (query block, key block) sizes of each kernel; pack_* the
+    packed tile sizes of the forward and backward (0: no packing)."""
+    q_lens, kv_lens = _as_int64(q_lens), _as_int64(kv_lens)
+    main_fwd, packed_fwd = split_packable(q_lens, kv_lens, pack_fwd)
+    main_bwd, packed_bwd = split_packable(q_lens, kv_lens, pack_bwd)
+    group = q_heads // kv_heads
+    return Schedule(
+        fwd=query_tiles(q_lens, kv_lens, main_fwd, fwd_blocks[0], fwd_blocks[1], window, causal, q_heads),
+        dq=query_tiles(q_lens, kv_lens, main_bwd, dq_blocks[0], dq_blocks[1], window, causal, q_heads),
+        dkv=key_tiles(q_lens, kv_lens, main_bwd, dkv_blocks[1], dkv_blocks[0], window, causal, kv_heads, group),
+        packed_fwd=pack_tiles(q_lens, kv_lens, packed_fwd, pack_fwd),
+        packed_bwd=pack_tiles(q_lens, kv_lens, packed_bwd, pack_bwd),
+        profile=profile_class(q_lens, kv_lens, max(pack_fwd, pack_bwd)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host references of the kernels' dealing (used by tests and for load-balance analysis).
+
+
+def zigzag_tile(round_index, pid, n_programs):
+    """Tile index program `pid` takes in round `round_index` under STATIC scheduling."""
+    offset = np.where(np.asarray(round_index) % 2 == 0, pid, n_programs - 1 - np.asarray(pid))
+    return np.asarray(round_index) * n_programs + offset
+
+
+def zigzag_assignment(n_tiles: int, n_programs: int) -> list[np.ndarray]:
+    """The tiles each program processes under STATIC scheduling, in its order."""
+    rounds = -(-n_tiles // n_programs) if n_programs else 0
+    out = []
+    for pid in range(n_programs):
+        tiles = zigzag_tile(np.arange(rounds), pid, n_programs)
+        out.append(tiles[tiles < n_tiles])
+    return out
+
+
+def dynamic_assignment(work: np.ndarray, n_programs: int) -> list[np.ndarray]:
+    """Tiles per program under DYNAMIC scheduling if every tile takes `work` time (greedy LPT simulation)."""
+    import heapq
+
+    work = np.asarray(work, dtype=np.float64)
+    n = work.size
+    out: list[list[int]] = [[] for _ in range(n_programs)]
+    heap = []
+    for pid in range(min(n_programs, n)):
+        out[pid].append(pid)
+        heapq.heappush(heap, (work[pid], pid))
+    for t in range(n_programs, n):
+        finish, pid = heapq.heappop(heap)
+        out[pid].append(t)
+        heapq.heappush(heap, (finish + work[t], pid))
+    return [np.asarray(x, dtype=np.int64) for x in out]
+
+
+def makespan(assignment: list[np.ndarray], work: np.ndarray) -> float:
+    """The largest total work of one program."""
+    work = np.asarray(work, dtype=np.float64)
+    return max((float(work[a].sum()) for a in assignment), default=0.0)

@@ -1,0 +1,410 @@
+"""The Triton backend (`jfa.triton.backend:BACKEND`): block configs, tile schedules and kernel launches.
+
+Configs. Block shapes and warps are fixed per head-dim class (the larger padded head dim of q/k and v:
+<= 64, 128, 256) and dtype-independent: they decide the order of every floating-point reduction, so
+changing them with the batch would break batch invariance (a sequence must get the same bits alone and
+inside any batch). `triton.autotune` therefore only chooses num_stages (software pipelining depth, which
+does not change arithmetic), keyed on head dims, dtype (the autotuner adds argument dtypes to the key),
+causal/window and a coarse length-profile class of the batch (`jfa.tile_scheduler.profile_class`). Set
+JFA_TRITON_AUTOTUNE=0 to skip tuning (first listed stage count). Under TRITON_INTERPRET=1 small blocks are
+used (16/32: many block boundaries at test sizes) and nothing is tuned.
+
+Scheduling (`jfa.tile_scheduler`): JFA_TRITON_SCHEDULE = dynamic (default: atomic tile counter), static
+(zigzag) or grid (one program per tile); `set_schedule` overrides it in-process. Persistent grids are
+SMs × the programs an SM holds at once (`KernelConfig.resident`, from ptxas's register and shared-memory
+figures), never more: static dealing assumes every program starts at once. Tile tables are cached
+per distinct length profile (exact comparison of the lengths), so repeated calls on the same batch shape
+skip the host work and the host-to-device copy.
+
+Memory beyond inputs, outputs and lse: residuals m and l ([Hq, rows] fp32 each), D ([Hq, rows] fp32) in
+the backward, tile tables (O(T) int32) and, with broadcast_q, fp32 dq partials ([rows, Hq, D]).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+
+from jfa import tile_scheduler as ts
+from jfa.problem import Problem
+from jfa.triton import backward as bwd_kernels
+from jfa.triton import forward as fwd_kernels
+
+LOG2E = 1.4426950408889634
+# |sm_scale|·log2(e) is floored at this value: with sm_scale = 0 the masked scores would compute
+# (-inf)·0 = NaN; a floor this small changes no unmasked probability (exp2 of < 1e-18 rounds to 1).
+MIN_SCALE_LOG2 = 1e-30
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int  # query rows per block
+    block_n: int  # keys per block
+    num_warps: int
+    stages: tuple[int, ...]  # num_stages candidates; the first is used without autotuning
+    resident: int = 1  # programs one SM holds at once (registers, shared memory): persistent grid = SMs × this
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    fwd: KernelConfig
+    dq: KernelConfig
+    dkv: KernelConfig
+    # Packed kernels: block_m == block_n == the packed tile size; sequences whose longer side fits are
+    # packed (forward and backward separately: the backward of a packed tile holds more accumulators).
+    packed_fwd: KernelConfig
+    packed_bwd: KernelConfig
+
+
+def gpu_config(block_d: int) -> BackendConfig:
+    """Block configs for the H100/H200 by padded head dim (see the module docstring).
+
+    Chosen so that `ptxas` (sm_90a, triton 3.6) reports no or almost no register spills (checked on a CPU
+    with `python -m jfa.triton.gpu_selftest --compile-only`); the ordinary dK/dV kernel keeps ~200-450
+    bytes of spill at head dims 80-128 in every shape tried (the dk and dv accumulators plus the transposed
+    score tile and its per-column statistics). `resident` follows from the registers and shared memory
+    ptxas reports (65,536 registers and 228 KiB per SM).
+    """
+    if block_d <= 64:
+        return BackendConfig(
+            fwd=KernelConfig(128, 64, 8, (3, 2, 4)),
+            dq=KernelConfig(128, 64, 8, (2, 3)),
+            dkv=KernelConfig(32, 128, 8, (3, 2)),
+            packed_fwd=KernelConfig(64, 64, 4, (2, 1), resident=2),
+            packed_bwd=KernelConfig(64, 64, 8, (2, 1)),
+        )
+    if block_d <= 128:
+        return BackendConfig(
+            fwd=KernelConfig(128, 64, 8, (3, 2)),
+            dq=KernelConfig(128, 64, 8, (2, 3)),
+            dkv=KernelConfig(32, 128, 8, (3, 2)),
+            packed_fwd=KernelConfig(64, 64, 4, (2, 1), resident=2),
+            packed_bwd=KernelConfig(32, 32, 8, (1,)),
+        )
+    return BackendConfig(
+        fwd=KernelConfig(64, 32, 8, (2,)),
+        dq=KernelConfig(64, 16, 8, (2,)),
+        dkv=KernelConfig(16, 32, 8, (2,)),
+        packed_fwd=KernelConfig(64, 64, 8, (2, 1)),
+        packed_bwd=KernelConfig(32, 32, 8, (1,)),
+    )
+
+
+INTERPRETER_CONFIG = BackendConfig(
+    fwd=KernelConfig(16, 16, 4, (1,)),
+    dq=KernelConfig(16, 16, 4, (1,)),
+    dkv=KernelConfig(16, 16, 4, (1,)),
+    packed_fwd=KernelConfig(32, 32, 4, (1,)),
+    packed_bwd=KernelConfig(32, 32, 4, (1,)),
+)
+
+_config_override: BackendConfig | None = None
+_schedule_override: int | None = None
+_programs_override: int | None = None
+
+
+def set_config(config: BackendConfig | None) -> None:
+    """Forces one config for every call (tests; None restores the default)."""
+    global _config_override
+    _config_override = config
+    _SCHEDULE_CACHE.clear()
+
+
+def set_schedule(name: str | None, programs: int | None = None) -> None:
+    """Forces a scheduling mode ('static', 'dynamic', 'grid') and optionally the persistent grid size."""
+    global _schedule_override, _programs_override
+    _schedule_override = None if name is None else ts.SCHEDULES[name]
+    _programs_override = programs
+
+
+def schedule_mode() -> int:
+    if _schedule_override is not None:
+        return _schedule_override
+    name = os.environ.get("JFA_TRITON_SCHEDULE", "dynamic")
+    if name not in ts.SCHEDULES:
+        raise ValueError(f"JFA_TRITON_SCHEDULE must be one of {sorted(ts.SCHEDULES)}, got {name!r}")
+    return ts.SCHEDULES[name]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(4, (n - 1).bit_length())
+
+
+def config_for(problem: Problem) -> BackendConfig:
+    if _config_override is not None:
+        return _config_override
+    if interpreting():
+        return INTERPRETER_CONFIG
+    return gpu_config(max(_pow2(problem.head_dim), _pow2(problem.head_dim_v)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tile schedules, cached per length profile.
+
+_SCHEDULE_CACHE: OrderedDict = OrderedDict()
+_SCHEDULE_CACHE_SIZE = 16
+
+
+@dataclass
+class DeviceSchedule:
+    host: ts.Schedule
+    fwd: torch.Tensor
+    dq: torch.Tensor
+    dkv: torch.Tensor
+    pack_fwd_seqs: torch.Tensor
+    pack_fwd_shift: torch.Tensor
+    pack_bwd_seqs: torch.Tensor
+    pack_bwd_shift: torch.Tensor
+
+
+def effective_window(problem: Problem) -> int:
+    """The window as the kernels get it: clamped to the longest sequence (|i - j| < max length always), an
+    equivalent rule that keeps window arithmetic inside int32."""
+    if problem.window is None:
+        return 0
+    longest = int(max(problem.q_lens.max(), problem.kv_lens.max())) if problem.batch else 0
+    return min(problem.window, longest)
+
+
+def device_schedule(problem: Problem, config: BackendConfig) -> DeviceSchedule:
+    q_lens = problem.q_lens.numpy()
+    kv_lens = problem.kv_lens.numpy()
+    window = None if problem.window is None else effective_window(problem)
+    key = (q_lens.size, int(q_lens.sum()), int(kv_lens.sum()), q_lens[:8].tobytes(), kv_lens[-8:].tobytes(),
+           problem.q_heads, problem.kv_heads, window, problem.causal, config, str(problem.device))
+    for cached_key, (cq, ckv, value) in _SCHEDULE_CACHE.items():
+        if cached_key == key and np.array_equal(cq, q_lens) and np.array_equal(ckv, kv_lens):
+            _SCHEDULE_CACHE.move_to_end(cached_key)
+            return value
+    host = ts.build_schedule(
+        q_lens, kv_lens, q_heads=problem.q_heads, kv_heads=problem.kv_heads, window=window,
+        causal=problem.causal, fwd_blocks=(config.fwd.block_m, config.fwd.block_n),
+        dq_blocks=(config.dq.block_m, config.dq.block_n), dkv_blocks=(config.dkv.block_m, config.dkv.block_n),
+        pack_fwd=config.packed_fwd.block_m, pack_bwd=config.packed_bwd.block_m,
+    )
+    parts = [host.fwd.entries.ravel(), host.dq.entries.ravel(), host.dkv.entries.ravel(),
+             host.packed_fwd.seqs.ravel(), host.packed_fwd.shift.ravel(),
+             host.packed_bwd.seqs.ravel(), host.packed_bwd.shift.ravel()]
+    sizes = [p.size for p in parts]
+    flat = torch.from_numpy(np.concatenate(parts).astype(np.int32)).to(problem.device)
+    views = list(torch.split(flat, sizes))
+    value = DeviceSchedule(host, *views)
+    _SCHEDULE_CACHE[key] = (q_lens.copy(), kv_lens.copy(), value)
+    while len(_SCHEDULE_CACHE) > _SCHEDULE_CACHE_SIZE:
+        _SCHEDULE_CACHE.popitem(last=False)
+    return value
+
+
+def _programs(n_tiles: int, cfg: KernelConfig, schedule: int, device: torch.device) -> int:
+    """Grid size: one program per tile (GRID), else the programs the GPU holds at once (never more: static
+    dealing assumes every program runs from the start)."""
+    if schedule == ts.GRID:
+        return n_tiles
+    if _programs_override is not None:
+        return max(1, min(n_tiles, _programs_override))
+    if interpreting() or device.type != "cuda":
+        return max(1, min(n_tiles, 3))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_tiles, sms * cfg.resident))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launching (with or without autotuning).
+
+_TUNED: dict = {}
+
+
+def _autotune_enabled() -> bool:
+    return not interpreting() and os.environ.get("JFA_TRITON_AUTOTUNE", "1") != "0"
+
+
+def _launch(kernel, cfg: KernelConfig, grid: int, **kwargs) -> None:
+    if _autotune_enabled() and len(cfg.stages) > 1:
+        key = (kernel, cfg)
+        if key not in _TUNED:
+            configs = [triton.Config({}, num_warps=cfg.num_warps, num_stages=s) for s in cfg.stages]
+            _TUNED[key] = triton.autotune(
+                configs=configs, key=["HEAD_DIM", "HEAD_DIM_V", "profile", "CAUSAL", "HAS_WINDOW"],
+                reset_to_zero=["counter"], restore_value=["counter"],
+            )(kernel)
+        _TUNED[key][(grid,)](**kwargs)
+    else:
+        kernel[(grid,)](**kwargs, num_warps=cfg.num_warps, num_stages=cfg.stages[0])
+
+
+def _counter(device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def _common(problem: Problem) -> dict:
+    scale = problem.sm_scale
+    return dict(
+        q_offsets=problem.q_offsets, out_offsets=problem.out_offsets, kv_offsets=problem.kv_offsets,
+        scale_log2=max(abs(scale) * LOG2E, MIN_SCALE_LOG2), window=effective_window(problem),
+        group=problem.group_size, HEAD_DIM=problem.head_dim, HEAD_DIM_V=problem.head_dim_v,
+        BLOCK_D=_pow2(problem.head_dim), BLOCK_DV=_pow2(problem.head_dim_v),
+        NEG_SCALE=scale < 0, HAS_WINDOW=problem.window is not None, CAUSAL=problem.causal,
+        INTERPRET=interpreting(),
+    )
+
+
+# In-tile offsets are int32: BLOCK x stride_t + BLOCK_D x stride_d must stay below 2^31 (255·2^22·2 < 2^31).
+_MAX_TILE_STRIDE = 1 << 22
+
+
+def _tileable(x: torch.Tensor) -> torch.Tensor:
+    """x itself, or a contiguous copy when its row or column stride is too large for int32 in-tile
+    offsets (row offsets of whole sequences are int64 and take any stride)."""
+    if x.stride(0) < _MAX_TILE_STRIDE and x.stride(2) < _MAX_TILE_STRIDE:
+        return x
+    return x.contiguous()
+
+
+def _strides(prefix: str, x: torch.Tensor, dims: str) -> dict:
+    return {f"{prefix}_{d}": x.stride(i) for i, d in enumerate(dims)}
+
+
+def forward(q, k, v, problem: Problem):
+    q, k, v = _tileable(q), _tileable(k), _tileable(v)
+    rows, hq = problem.out_rows, problem.q_heads
+    device = q.device
+    out = torch.empty(rows, hq, problem.head_dim_v, dtype=q.dtype, device=device)
+    lse, row_max, row_sum = (torch.empty(hq, rows, dtype=torch.float32, device=device) for _ in range(3))
+    if rows == 0:
+        return out, lse, (row_max, row_sum)
+    config = config_for(problem)
+    sched = device_schedule(problem, config)
+    schedule = schedule_mode()
+    args = dict(
+        Q=q, K=k, V=v, Out=out, Lse=lse, RowMax=row_max, RowSum=row_sum,
+        **_strides("sq", q, "thd"), **_strides("sk", k, "thd"), **_strides("sv", v, "thd"),
+        so_t=out.stride(0), so_h=out.stride(1), stat_h=lse.stride(0),
+        scale_abs=abs(problem.sm_scale), profile=sched.host.profile, SCHEDULE=schedule, **_common(problem),
+    )
+    table = sched.host.fwd
+    if table.n_tiles:
+        n = table.n_tiles
+        _launch(fwd_kernels._fwd_kernel, config.fwd, _programs(n, config.fwd, schedule, device),
+                tiles=sched.fwd, n_tiles=n, counter=_counter(device), n_heads=hq,
+                BLOCK_M=config.fwd.block_m, BLOCK_N=config.fwd.block_n, **args)
+    packed = sched.host.packed_fwd
+    if packed.n_tiles:
+        n = packed.n_tiles
+        _launch(fwd_kernels._fwd_packed_kernel, config.packed_fwd, _programs(n, config.packed_fwd, schedule, device),
+                pack_seqs=sched.pack_fwd_seqs, pack_shift=sched.pack_fwd_shift, n_tiles=n, counter=_counter(device),
+                n_heads=hq, BLOCK=packed.block, SLOTS=packed.block // ts.PACK_ALIGN, **args)
+    return out, lse, (row_max, row_sum)
+
+
+def backward(dout, q, k, v, out, lse, residuals, problem: Problem):
+    row_max, row_sum = residuals
+    device = q.device
+    dq = torch.empty(q.shape, dtype=q.dtype, device=device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=device)
+    rows, hq = problem.out_rows, problem.q_heads
+    if rows == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    q, k, v, dout = _tileable(q), _tileable(k), _tileable(v), _tileable(dout)
+    config = config_for(problem)
+    sched = device_schedule(problem, config)
+    schedule = schedule_mode()
+    partial = problem.broadcast_q
+    dq_target = torch.empty(rows, hq, problem.head_dim, dtype=torch.float32, device=device) if partial else dq
+    delta = torch.empty(hq, rows, dtype=torch.float32, device=device)
+    args = dict(
+        Q=q, K=k, V=v, DOut=dout, RowMax=row_max, RowSum=row_sum,
+        **_strides("sq", q, "thd"), **_strides("sk", k, "thd"), **_strides("sv", v, "thd"),
+        **_strides("sdo", dout, "thd"), stat_h=row_max.stride(0), sm_scale=problem.sm_scale,
+        profile=sched.host.profile, SCHEDULE=schedule, **_common(problem),
+    )
+    packed = sched.host.packed_bwd
+    if packed.n_tiles:
+        n = packed.n_tiles
+        _launch(bwd_kernels._bwd_packed_kernel, config.packed_bwd, _programs(n, config.packed_bwd, schedule, device),
+                Out=out, DQ=dq_target, DK=dk, DV=dv, pack_seqs=sched.pack_bwd_seqs, pack_shift=sched.pack_bwd_shift,
+                n_tiles=n, counter=_counter(device), so_t=out.stride(0), so_h=out.stride(1),
+                sdq_t=dq_target.stride(0), sdq_h=dq_target.stride(1), sdk_t=dk.stride(0), sdk_h=dk.stride(1),
+                sdv_t=dv.stride(0), sdv_h=dv.stride(1), n_heads=hq, BLOCK=packed.block,
+                SLOTS=packed.block // ts.PACK_ALIGN, DQ_PARTIAL=partial, **args)
+    table = sched.host.dq
+    if table.n_tiles:
+        n = table.n_tiles
+        _launch(bwd_kernels._dq_kernel, config.dq, _programs(n, config.dq, schedule, device),
+                Out=out, DQ=dq_target, Delta=delta, tiles=sched.dq, n_tiles=n, counter=_counter(device),
+                so_t=out.stride(0), so_h=out.stride(1), sdq_t=dq_target.stride(0), sdq_h=dq_target.stride(1),
+                n_heads=hq, BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n, DQ_PARTIAL=partial, **args)
+    table = sched.host.dkv
+    if table.n_tiles:
+        n = table.n_tiles
+        _launch(bwd_kernels._dkv_kernel, config.dkv, _programs(n, config.dkv, schedule, device),
+                DK=dk, DV=dv, Delta=delta, tiles=sched.dkv, n_tiles=n, counter=_counter(device),
+                sdk_t=dk.stride(0), sdk_h=dk.stride(1), sdv_t=dv.stride(0), sdv_h=dv.stride(1),
+                n_kv_heads=problem.kv_heads, BLOCK_M=config.dkv.block_m, BLOCK_N=config.dkv.block_n, **args)
+    if partial:
+        n_elem = dq.numel()
+        if n_elem:
+            block = 512
+            bwd_kernels._dq_reduce_kernel[(triton.cdiv(n_elem, block),)](
+                dq_target, dq, problem.batch, n_elem, BLOCK=block, UNROLL=8, INTERPRET=interpreting(),
+                num_warps=4)
+    return dq, dk, dv
+
+
+def interpreted_consistently() -> bool:
+    """Whether triton's own library, the visibility rule and these kernels were all decorated for the
+    interpreter (TRITON_INTERPRET is read when a function is decorated, i.e. at import)."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from jfa.mask import visible
+
+    return all(isinstance(f, InterpretedFunction) for f in (tl.sum, visible, fwd_kernels._fwd_kernel,
+                                                              bwd_kernels._dkv_kernel))
+
+
+def _on_device(device: torch.device):
+    """Launch on the tensors' GPU even when another one is current."""
+    import contextlib
+
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+class TritonBackend:
+    name = "triton"
+    description = "portable Triton kernels: persistent sorted/zigzag or dynamic tiles, packed tiny sequences"
+
+    def unavailable(self, device: torch.device) -> str | None:
+        device = torch.device(device)
+        if device.type == "cuda":
+            return None
+        if device.type != "cpu":
+            return f"the Triton kernels run on CUDA devices (or the CPU under TRITON_INTERPRET=1), not {device.type}"
+        if not interpreting():
+            return "set TRITON_INTERPRET=1 before importing jfa to run the Triton kernels on the CPU"
+        if not interpreted_consistently():
+            return ("triton was imported before TRITON_INTERPRET=1 was set: set it before importing triton or "
+                    "jfa to run the Triton kernels on the CPU")
+        return None
+
+    def forward(self, q, k, v, problem: Problem):
+        with _on_device(q.device):
+            return forward(q, k, v, problem)
+
+    def backward(self, dout, q, k, v, out, lse, residuals, problem: Problem):
+        with _on_device(q.device):
+            return backward(dout, q, k, v, out, lse, residuals, problem)
+
+
+BACKEND = TritonBackend()
+
+__all__ = ["BACKEND", "BackendConfig", "KernelConfig", "config_for", "gpu_config", "set_config", "set_schedule"]

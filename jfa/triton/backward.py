@@ -1,0 +1,366 @@
+"""Triton backward kernels. The backward is deterministic always: no atomics touch a gradient, so
+`deterministic=True` changes nothing (every gradient is bitwise reproducible either way).
+
+Ordinary sequences take two passes over the same tile tables as the forward (`jfa.tile_scheduler`):
+1. `_dq_kernel`, tile = (sequence, query block, query head): D = rowsum(dO∘O) from the rounded output
+   (stored for pass 2), then for every visited key block S = Q·Kᵀ, P = exp2((S - m)·c)/l recomputed from
+   the forward's residuals m and l (subnormal P kept, `jfa.softmax.shifted_exp2`), dP = dO·Vᵀ,
+   dS = P∘(dP - D) rounded to the input dtype, dq += dS·K; dq is written once.
+2. `_dkv_kernel`, tile = (sequence, key block, key/value head): for every query head of the group and every
+   query block that sees the key block (`jfa.block_info.q_block_range`), Sᵀ = K·Qᵀ, Pᵀ, dv += Pᵀ·dO
+   (P rounded), dPᵀ = V·dOᵀ, dSᵀ, dk += dSᵀ·Q (dS rounded); dk and dv are written once, so keys no query
+   sees get exactly 0.
+The separate dQ pass recomputes S and dP (7 matrix products per block pair instead of FlashAttention-2's
+5 plus atomics) and buys bitwise reproducibility and batch invariance of every gradient.
+
+Packed tiles (tiny sequences) hold whole sequences, so `_bwd_packed_kernel` does the whole backward of a
+tile in one program: dq per head, dk and dv summed over the group's heads.
+
+broadcast_q: dq of the shared query sequence is the sum over the B sequences. Each sequence's dq is
+written as an fp32 partial at its output rows ([out_rows, Hq, D] fp32, i.e. O(T·H·D) extra memory), and
+`_dq_reduce_kernel` adds the partials in sequence order (deterministic) and rounds once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from jfa.block_info import kv_block_range, q_block_range
+from jfa.mask import visible
+from jfa.softmax import backward_row_stats, raw_scores, shifted_exp2
+from jfa.triton.forward import (
+    kernel,
+    load_tile,
+    mma,
+    mma_acc,
+    next_tile,
+    packed_layout,
+    packed_visible,
+    rounded,
+    row_base,
+    sequence_bounds,
+    stored,
+    tile_offsets,
+)
+
+# ---------------------------------------------------------------------------------------------------------
+# Pass 1: dQ (and D) over query tiles.
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, start, end, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok,
+               sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2,
+               DT: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_D: tl.constexpr,
+               MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               CAUSAL: tl.constexpr, INTERPRET: tl.constexpr):
+    for n in range(start, end, BLOCK_N):
+        key_ok = (n + offs_n) < kv_len
+        k = load_tile(k_seq + tl.cast(n, tl.int64) * sk_t + tile_offsets(offs_n, sk_t, offs_d, sk_d),
+                      key_ok, d_ok, MASKED, MASK_D)
+        v = load_tile(v_seq + tl.cast(n, tl.int64) * sv_t + tile_offsets(offs_n, sv_t, offs_dv, sv_d),
+                      key_ok, dv_ok, MASKED, MASK_DV)
+        r = raw_scores(mma(q, tl.trans(k), INTERPRET), NEG_SCALE)
+        if MASKED:
+            seen = visible(offs_m[:, None], (n + offs_n)[None, :], q_len, kv_len, window, HAS_WINDOW, CAUSAL)
+            r = tl.where(seen, r, float("-inf"))
+        p = shifted_exp2((r - m_b[:, None]) * scale_log2) * inv_b[:, None]
+        dp = mma(do, tl.trans(v), INTERPRET)
+        ds = p * (dp - delta[:, None])
+        dq = mma_acc(rounded(ds, DT, INTERPRET), k, dq, INTERPRET)
+    return dq
+
+
+@kernel
+def _dq_kernel(
+    Q, K, V, Out, DOut, DQ, RowMax, RowSum, Delta,
+    tiles, n_tiles, counter,
+    q_offsets, out_offsets, kv_offsets,
+    sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, sdo_t, sdo_h, sdo_d, sdq_t, sdq_h, stat_h,
+    scale_log2, sm_scale, window, n_heads, group, profile,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, DQ_PARTIAL: tl.constexpr,
+    SCHEDULE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """dq (or its fp32 per-sequence partial with broadcast_q) and D over ordinary query tiles."""
+    DT: tl.constexpr = Q.dtype.element_ty
+    MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
+    MASK_DV: tl.constexpr = HEAD_DIM_V != BLOCK_DV
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_M)
+
+    t = pid
+    r = pid * 0
+    while t < n_tiles:
+        t_next = next_tile(r, pid, nprog, n_tiles, counter, SCHEDULE)
+        entry = t // n_heads
+        head = t - entry * n_heads
+        seq = tl.load(tiles + 2 * entry)
+        m0 = tl.load(tiles + 2 * entry + 1)
+        q_start, out_start, q_len, kv_start, kv_len = sequence_bounds(q_offsets, out_offsets, kv_offsets, seq)
+        kv_head = head // group
+        m1 = tl.minimum(m0 + BLOCK_M, q_len)
+        lo, full_lo, full_hi, hi = kv_block_range(m0, m1, q_len, kv_len, window, BLOCK_N, HAS_WINDOW, CAUSAL)
+
+        offs_m = m0 + offs_r
+        row_ok = offs_m < q_len
+        q = load_tile(row_base(Q, q_start + m0, sq_t, head, sq_h) + tile_offsets(offs_r, sq_t, offs_d, sq_d),
+                      row_ok, d_ok, True, MASK_D)
+        do = load_tile(row_base(DOut, out_start + m0, sdo_t, head, sdo_h)
+                       + tile_offsets(offs_r, sdo_t, offs_dv, sdo_d), row_ok, dv_ok, True, MASK_DV)
+        o = load_tile(row_base(Out, out_start + m0, so_t, head, so_h) + tile_offsets(offs_r, so_t, offs_dv, 1),
+                      row_ok, dv_ok, True, MASK_DV)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        stat = tl.cast(head, tl.int64) * stat_h + out_start + offs_m
+        tl.store(Delta + stat, delta, mask=row_ok)
+        m_b, inv_b = backward_row_stats(tl.load(RowMax + stat, mask=row_ok, other=0.0),
+                                        tl.load(RowSum + stat, mask=row_ok, other=0.0))
+
+        k_seq = row_base(K, kv_start, sk_t, kv_head, sk_h)
+        v_seq = row_base(V, kv_start, sv_t, kv_head, sv_h)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        dq = _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, lo, full_lo, offs_m, offs_n, offs_d, offs_dv,
+                        d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, True,
+                        MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+        dq = _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, full_lo, full_hi, offs_m, offs_n, offs_d,
+                        offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N,
+                        False, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+        dq = _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, full_hi, hi, offs_m, offs_n, offs_d, offs_dv,
+                        d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, True,
+                        MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+        dq = dq * sm_scale
+        mask = row_ok[:, None] & d_ok[None, :]
+        if DQ_PARTIAL:
+            tl.store(row_base(DQ, out_start + m0, sdq_t, head, sdq_h) + tile_offsets(offs_r, sdq_t, offs_d, 1),
+                     dq, mask=mask)
+        else:
+            tl.store(row_base(DQ, q_start + m0, sdq_t, head, sdq_h) + tile_offsets(offs_r, sdq_t, offs_d, 1),
+                     stored(dq, DT, INTERPRET), mask=mask)
+        t = t_next
+        r += 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pass 2: dK, dV over key tiles.
+
+
+@triton.jit
+def _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, start, end, offs_r, offs_n,
+                offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_d, sdo_t, sdo_d, q_len, kv_len, window, scale_log2,
+                DT: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, MASK_D: tl.constexpr,
+                MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                CAUSAL: tl.constexpr, INTERPRET: tl.constexpr):
+    """Query blocks [start, end) against one key block; MASKED applies the rule and masks rows >= q_len.
+    Only scalar base pointers live across iterations (see `_fwd_blocks`)."""
+    for m in range(start, end, BLOCK_M):
+        offs_m = m + offs_r
+        row_ok = offs_m < q_len
+        q = load_tile(q_seq + tl.cast(m, tl.int64) * sq_t + tile_offsets(offs_r, sq_t, offs_d, sq_d),
+                      row_ok, d_ok, MASKED, MASK_D)
+        do = load_tile(do_seq + tl.cast(m, tl.int64) * sdo_t + tile_offsets(offs_r, sdo_t, offs_dv, sdo_d),
+                       row_ok, dv_ok, MASKED, MASK_DV)
+        stat = stat_base + offs_m
+        if MASKED:
+            m_row = tl.load(RowMax + stat, mask=row_ok, other=0.0)
+            l_row = tl.load(RowSum + stat, mask=row_ok, other=0.0)
+            delta = tl.load(Delta + stat, mask=row_ok, other=0.0)
+        else:
+            m_row = tl.load(RowMax + stat)
+            l_row = tl.load(RowSum + stat)
+            delta = tl.load(Delta + stat)
+        m_b, inv_b = backward_row_stats(m_row, l_row)
+        r = raw_scores(mma(k, tl.trans(q), INTERPRET), NEG_SCALE)  # Sᵀ: [BLOCK_N, BLOCK_M]
+        if MASKED:
+            seen = visible(offs_m[None, :], offs_n[:, None], q_len, kv_len, window, HAS_WINDOW, CAUSAL)
+            r = tl.where(seen & row_ok[None, :], r, float("-inf"))
+        p = shifted_exp2((r - m_b[None, :]) * scale_log2) * inv_b[None, :]
+        dv = mma_acc(rounded(p, DT, INTERPRET), do, dv, INTERPRET)
+        dp = mma(v, tl.trans(do), INTERPRET)
+        ds = p * (dp - delta[None, :])
+        dk = mma_acc(rounded(ds, DT, INTERPRET), q, dk, INTERPRET)
+    return dk, dv
+
+
+@kernel
+def _dkv_kernel(
+    Q, K, V, DOut, DK, DV, RowMax, RowSum, Delta,
+    tiles, n_tiles, counter,
+    q_offsets, out_offsets, kv_offsets,
+    sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, sdo_t, sdo_h, sdo_d, sdk_t, sdk_h, sdv_t, sdv_h, stat_h,
+    scale_log2, sm_scale, window, n_kv_heads, group, profile,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+    SCHEDULE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """dk, dv over ordinary key tiles (sequence, key block, key/value head), summed over the group."""
+    DT: tl.constexpr = Q.dtype.element_ty
+    MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
+    MASK_DV: tl.constexpr = HEAD_DIM_V != BLOCK_DV
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_c = tl.arange(0, BLOCK_N)
+
+    t = pid
+    r = pid * 0
+    while t < n_tiles:
+        t_next = next_tile(r, pid, nprog, n_tiles, counter, SCHEDULE)
+        entry = t // n_kv_heads
+        kv_head = t - entry * n_kv_heads
+        seq = tl.load(tiles + 2 * entry)
+        n0 = tl.load(tiles + 2 * entry + 1)
+        q_start, out_start, q_len, kv_start, kv_len = sequence_bounds(q_offsets, out_offsets, kv_offsets, seq)
+        n1 = tl.minimum(n0 + BLOCK_N, kv_len)
+        lo, full_lo, full_hi, hi = q_block_range(n0, n1, q_len, kv_len, window, BLOCK_M, HAS_WINDOW, CAUSAL)
+        # A key block running past the sequence's end takes the masked path throughout: unmasked, its
+        # zero-filled key rows would score 0 and overflow exp2 against a very negative row max (harmless
+        # in rows that are never stored, but inf and NaN have no business in the accumulators).
+        partial_keys = n0 + BLOCK_N > kv_len
+        full_lo = tl.where(partial_keys, hi, full_lo)
+        full_hi = tl.where(partial_keys, hi, full_hi)
+
+        offs_n = n0 + offs_c
+        key_ok = offs_n < kv_len
+        k = load_tile(row_base(K, kv_start + n0, sk_t, kv_head, sk_h) + tile_offsets(offs_c, sk_t, offs_d, sk_d),
+                      key_ok, d_ok, True, MASK_D)
+        v = load_tile(row_base(V, kv_start + n0, sv_t, kv_head, sv_h) + tile_offsets(offs_c, sv_t, offs_dv, sv_d),
+                      key_ok, dv_ok, True, MASK_DV)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+        for hh in range(group):
+            head = kv_head * group + hh
+            q_seq = row_base(Q, q_start, sq_t, head, sq_h)
+            do_seq = row_base(DOut, out_start, sdo_t, head, sdo_h)
+            stat_base = tl.cast(head, tl.int64) * stat_h + out_start
+            dk, dv = _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, lo, full_lo, offs_r,
+                                 offs_n, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_d, sdo_t, sdo_d, q_len, kv_len, window,
+                                 scale_log2, DT, BLOCK_M, True, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL,
+                                 INTERPRET)
+            dk, dv = _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, full_lo, full_hi,
+                                 offs_r, offs_n, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_d, sdo_t, sdo_d, q_len, kv_len,
+                                 window, scale_log2, DT, BLOCK_M, False, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL,
+                                 INTERPRET)
+            dk, dv = _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, full_hi, hi, offs_r,
+                                 offs_n, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_d, sdo_t, sdo_d, q_len, kv_len, window,
+                                 scale_log2, DT, BLOCK_M, True, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL,
+                                 INTERPRET)
+        dk = dk * sm_scale
+        tl.store(row_base(DK, kv_start + n0, sdk_t, kv_head, sdk_h) + tile_offsets(offs_c, sdk_t, offs_d, 1),
+                 stored(dk, DT, INTERPRET), mask=key_ok[:, None] & d_ok[None, :])
+        tl.store(row_base(DV, kv_start + n0, sdv_t, kv_head, sdv_h) + tile_offsets(offs_c, sdv_t, offs_dv, 1),
+                 stored(dv, DT, INTERPRET), mask=key_ok[:, None] & dv_ok[None, :])
+        t = t_next
+        r += 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Packed tiles: the whole backward in one program.
+
+
+@kernel
+def _bwd_packed_kernel(
+    Q, K, V, Out, DOut, DQ, DK, DV, RowMax, RowSum,
+    pack_seqs, pack_shift, n_tiles, counter,
+    q_offsets, out_offsets, kv_offsets,
+    sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, sdo_t, sdo_h, sdo_d,
+    sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h,
+    scale_log2, sm_scale, window, n_heads, group, profile,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK: tl.constexpr, SLOTS: tl.constexpr,
+    NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, DQ_PARTIAL: tl.constexpr,
+    SCHEDULE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """dq, dk, dv of packed tiles (a group of tiny sequences), every query head in turn (a pipelined
+    loop); dk and dv add up over the consecutive query heads of a group and are written after its last."""
+    DT: tl.constexpr = Q.dtype.element_ty
+    MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
+    MASK_DV: tl.constexpr = HEAD_DIM_V != BLOCK_DV
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+
+    t = pid
+    r = pid * 0
+    while t < n_tiles:
+        t_next = next_tile(r, pid, nprog, n_tiles, counter, SCHEDULE)
+        slot, loc, q_start, out_start, q_len, kv_start, kv_len, row_ok, key_ok = packed_layout(
+            pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets, BLOCK, SLOTS)
+        seen = packed_visible(slot, loc, q_len, kv_len, row_ok, key_ok, window, HAS_WINDOW, CAUSAL)
+        dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
+        for head in range(n_heads):
+            kv_head = head // group
+            k = load_tile(row_base(K, kv_start + loc, sk_t, kv_head, sk_h)[:, None] + (offs_d * sk_d)[None, :],
+                          key_ok, d_ok, True, MASK_D)
+            v = load_tile(row_base(V, kv_start + loc, sv_t, kv_head, sv_h)[:, None] + (offs_dv * sv_d)[None, :],
+                          key_ok, dv_ok, True, MASK_DV)
+            q = load_tile(row_base(Q, q_start + loc, sq_t, head, sq_h)[:, None] + (offs_d * sq_d)[None, :],
+                          row_ok, d_ok, True, MASK_D)
+            do = load_tile(row_base(DOut, out_start + loc, sdo_t, head, sdo_h)[:, None]
+                           + (offs_dv * sdo_d)[None, :], row_ok, dv_ok, True, MASK_DV)
+            o = load_tile(row_base(Out, out_start + loc, so_t, head, so_h)[:, None] + offs_dv[None, :],
+                          row_ok, dv_ok, True, MASK_DV)
+            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+            stat = tl.cast(head, tl.int64) * stat_h + out_start + loc
+            m_b, inv_b = backward_row_stats(tl.load(RowMax + stat, mask=row_ok, other=0.0),
+                                            tl.load(RowSum + stat, mask=row_ok, other=0.0))
+            s = raw_scores(mma(q, tl.trans(k), INTERPRET), NEG_SCALE)
+            s = tl.where(seen, s, float("-inf"))
+            p = shifted_exp2((s - m_b[:, None]) * scale_log2) * inv_b[:, None]
+            dp = mma(do, tl.trans(v), INTERPRET)
+            ds = rounded(p * (dp - delta[:, None]), DT, INTERPRET)
+            dq = mma(ds, k, INTERPRET) * sm_scale
+            mask = row_ok[:, None] & d_ok[None, :]
+            if DQ_PARTIAL:
+                tl.store(row_base(DQ, out_start + loc, sdq_t, head, sdq_h)[:, None] + offs_d[None, :], dq,
+                         mask=mask)
+            else:
+                tl.store(row_base(DQ, q_start + loc, sdq_t, head, sdq_h)[:, None] + offs_d[None, :],
+                         stored(dq, DT, INTERPRET), mask=mask)
+            dv = mma_acc(tl.trans(rounded(p, DT, INTERPRET)), do, dv, INTERPRET)
+            dk = mma_acc(tl.trans(ds), q, dk, INTERPRET)
+            # After the group's last query head: write this key/value head's dk, dv and start over.
+            last = (loc * 0 + head % group) == group - 1  # a vector: the interpreter rejects scalar masks
+            tl.store(row_base(DK, kv_start + loc, sdk_t, kv_head, sdk_h)[:, None] + offs_d[None, :],
+                     stored(dk * sm_scale, DT, INTERPRET), mask=(key_ok & last)[:, None] & d_ok[None, :])
+            tl.store(row_base(DV, kv_start + loc, sdv_t, kv_head, sdv_h)[:, None] + offs_dv[None, :],
+                     stored(dv, DT, INTERPRET), mask=(key_ok & last)[:, None] & dv_ok[None, :])
+            dk = tl.where(last[:, None], 0.0, dk)
+            dv = tl.where(last[:, None], 0.0, dv)
+        t = t_next
+        r += 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# broadcast_q: the deterministic sum of per-sequence dq partials.
+
+
+@kernel
+def _dq_reduce_kernel(Part, DQ, n_seqs, n_elem, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
+                      INTERPRET: tl.constexpr):
+    """DQ[e] = sum over b (in order) of Part[b·n_elem + e]; UNROLL loads in flight per step."""
+    DT: tl.constexpr = DQ.dtype.element_ty
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n_elem
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for b0 in range(0, n_seqs, UNROLL):
+        for u in tl.static_range(UNROLL):
+            b = tl.full([], 0, tl.int64) + b0 + u
+            in_batch = (offs * 0 + b) < n_seqs  # a vector: the interpreter rejects scalar & vector masks
+            acc += tl.load(Part + b * n_elem + offs, mask=ok & in_batch, other=0.0)
+    tl.store(DQ + offs, stored(acc, DT, INTERPRET), mask=ok)

@@ -1,0 +1,367 @@
+"""Triton forward kernels: the persistent tiled kernel for ordinary sequences and the packed kernel for tiny
+ones, plus the device helpers the backward kernels share.
+
+Ordinary tile = (sequence, BLOCK_M query rows, query head). The program loads the query block once and
+walks the key blocks `jfa.block_info.kv_block_range` gives it in three segments: masked blocks at the
+left edge (window), unmasked blocks in the middle (no mask arithmetic, unmasked loads when the head dim is
+a power of two), masked blocks at the right edge (causal diagonal, window, the sequence's last partial
+block). Every block: S = Q·Kᵀ in fp32 from the input dtype, the online softmax of `jfa.softmax` over raw
+scores, P rounded to the input dtype, acc += P·V in fp32. The epilogue writes out (rounded once), lse
+(natural log) and the residuals m (raw row max) and l (row sum) the backward recomputes P from.
+
+Packed tile = up to block/16 tiny sequences of equal slot size (see `jfa.tile_scheduler`); one program
+does every head of it in a pipelined loop. Every row's whole key range fits the tile, so the softmax is
+exact in one block (no rescaling) and the block-diagonal mask comes from the slot of each row and key.
+
+Addresses: a block's first row is widened to int64 before it meets a stride, so rows × stride may exceed
+2^31 (non-contiguous inputs with large strides); offsets inside a tile are int32 (the host copies the
+rare tensor whose row or column stride is >= 2^22). Only scalar base pointers live across loop
+iterations; each block's pointer tile is rebuilt from them.
+Loads of rows or keys outside a sequence are masked with other=0 and their scores set to -inf, so NaN
+stored past offsets[-1] (or in another sequence) can never reach a result.
+
+Interpreter (TRITON_INTERPRET=1): the CPU interpreter multiplies bf16 tl.dot operands as raw bit patterns
+(triton#11584) and casts fp32 -> bf16 by truncation; with INTERPRET set the kernels form the products in
+fp32 (bf16/fp16 products are exact in fp32) and add them in k order in fp32 — a faithful model of the
+tensor core's fp32 accumulation — and round to the input dtype with an explicit round-to-nearest-even
+(`rounded`, and `stored`, which also builds bf16 subnormals from their bits).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import triton
+import triton.language as tl
+
+from jfa.block_info import kv_block_range
+from jfa.mask import visible
+from jfa.softmax import block_softmax, chunked_row_sum, finalize, online_update, raw_scores
+
+# Scalar arguments that change from call to call: not specialised (a value of 1 would otherwise compile a
+# separate kernel), so one compiled variant serves every batch of a given head dim, dtype and mask kind.
+_RUNTIME_INTS = ("n_tiles", "n_heads", "n_kv_heads", "group", "window", "profile", "stat_h", "n_seqs", "n_elem")
+
+
+def kernel(fn):
+    """@triton.jit for a kernel, without specialising its per-call scalar arguments."""
+    params = inspect.signature(fn).parameters
+    return triton.jit(fn, do_not_specialize=[name for name in _RUNTIME_INTS if name in params])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Device helpers shared with the backward kernels.
+
+
+@triton.jit
+def _products_sum(a, b):
+    """a @ b in fp32 as a sequential sum over k of exact products (interpreter only): numpy's matmul may
+    order its sums by position, which would break the bitwise slot-independence of packed tiles."""
+    return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+
+
+@triton.jit
+def mma(a, b, INTERPRET: tl.constexpr):
+    """a @ b with fp32 accumulation (operands in the input dtype; upcast when interpreting)."""
+    if INTERPRET:  # noqa: SIM108 - constexpr branches, kept as statements for the Triton frontend
+        c = _products_sum(a, b)
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def mma_acc(a, b, acc, INTERPRET: tl.constexpr):
+    """acc + a @ b with fp32 accumulation."""
+    if INTERPRET:  # noqa: SIM108
+        c = acc + _products_sum(a, b)
+    else:
+        c = tl.dot(a, b, acc)
+    return c
+
+
+@triton.jit
+def _rne_bf16_bits(x):
+    """fp32 -> the fp32 bit pattern of its round-to-nearest-even bf16 value (low 16 bits zero)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+    return (bits >> 16) << 16
+
+
+@triton.jit
+def rounded(x, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 x rounded to nearest-even in dtype DT, as a matmul operand: a DT tensor on the GPU; when
+    interpreting, an fp32 tensor holding the rounded values (the interpreter's fp32 -> bf16 cast truncates)."""
+    if INTERPRET:
+        if DT == tl.bfloat16:  # noqa: SIM108, SIM300
+            y = _rne_bf16_bits(x).to(tl.float32, bitcast=True)
+        else:
+            y = x.to(DT).to(tl.float32)
+    else:
+        y = x.to(DT)
+    return y
+
+
+@triton.jit
+def stored(x, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 x rounded to nearest-even in dtype DT, for a store. When interpreting, bf16 is built from the
+    bits (the interpreter's own conversions truncate and mangle subnormals)."""
+    if INTERPRET:
+        if DT == tl.bfloat16:  # noqa: SIM108, SIM300
+            y = (_rne_bf16_bits(x) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            y = x.to(DT)
+    else:
+        y = x.to(DT)
+    return y
+
+
+@triton.jit
+def load_tile(ptrs, row_ok, col_ok, ROW_MASK: tl.constexpr, COL_MASK: tl.constexpr):
+    """A 2-D tile; rows/columns outside the masks read as 0 (never loaded)."""
+    if ROW_MASK:
+        if COL_MASK:
+            x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        if COL_MASK:  # noqa: SIM108
+            x = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def row_base(ptr, row, stride_t, head, stride_h):
+    """Scalar pointer to element 0 of (row, head); int64 arithmetic (rows × stride may exceed 2^31)."""
+    return ptr + tl.cast(row, tl.int64) * stride_t + tl.cast(head, tl.int64) * stride_h
+
+
+@triton.jit
+def tile_offsets(offs_r, stride_r, offs_c, stride_c):
+    """int32 in-tile offsets [R, C]; the host keeps strides below 2^22 so BLOCK × stride fits."""
+    return offs_r[:, None] * stride_r + offs_c[None, :] * stride_c
+
+
+@triton.jit
+def next_tile(r, pid, nprog, n_tiles, counter, SCHEDULE: tl.constexpr):
+    """The tile program `pid` takes after its r-th (0-based) one; >= n_tiles ends the program.
+
+    SCHEDULE 0: static zigzag (round r: tile r·P + pid if r is even, r·P + P-1-pid if odd);
+    1: dynamic, the next index of an atomic counter (offset by P: tiles 0..P-1 are taken at launch);
+    2: one tile per program.
+    """
+    if SCHEDULE == 0:
+        nr = r + 1
+        t = nr * nprog + tl.where(nr % 2 == 0, pid, nprog - 1 - pid)
+    elif SCHEDULE == 1:
+        t = tl.atomic_add(counter, 1) + nprog
+    else:
+        t = pid * 0 + n_tiles
+    return t
+
+
+@triton.jit
+def sequence_bounds(q_offsets, out_offsets, kv_offsets, seq):
+    """(q_start, out_start, q_len, kv_start, kv_len) of sequence `seq` (scalars or vectors)."""
+    q_start = tl.load(q_offsets + seq)
+    out_start = tl.load(out_offsets + seq)
+    q_len = tl.load(out_offsets + seq + 1) - out_start
+    kv_start = tl.load(kv_offsets + seq)
+    kv_len = tl.load(kv_offsets + seq + 1) - kv_start
+    return q_start, out_start, q_len, kv_start, kv_len
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ordinary tiles.
+
+
+@triton.jit
+def _fwd_blocks(acc, m_i, l_i, q, k_seq, v_seq, start, end, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok,
+                sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2,
+                DT: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_D: tl.constexpr,
+                MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                CAUSAL: tl.constexpr, INTERPRET: tl.constexpr):
+    """Key blocks [start, end) of one query block; MASKED applies the visibility rule and masks the loads.
+
+    Only scalar base pointers live across iterations; each block's pointer tile is rebuilt from them (a
+    loop-carried tile of 64-bit pointers would pin two registers per element).
+    """
+    for n in range(start, end, BLOCK_N):
+        key_ok = (n + offs_n) < kv_len
+        k = load_tile(k_seq + tl.cast(n, tl.int64) * sk_t + tile_offsets(offs_n, sk_t, offs_d, sk_d),
+                      key_ok, d_ok, MASKED, MASK_D)
+        r = raw_scores(mma(q, tl.trans(k), INTERPRET), NEG_SCALE)
+        if MASKED:
+            seen = visible(offs_m[:, None], (n + offs_n)[None, :], q_len, kv_len, window, HAS_WINDOW, CAUSAL)
+            r = tl.where(seen, r, float("-inf"))
+        p, alpha, m_i, l_i = online_update(m_i, l_i, r, scale_log2)
+        v = load_tile(v_seq + tl.cast(n, tl.int64) * sv_t + tile_offsets(offs_n, sv_t, offs_dv, sv_d),
+                      key_ok, dv_ok, MASKED, MASK_DV)
+        acc = mma_acc(rounded(p, DT, INTERPRET), v, acc * alpha[:, None], INTERPRET)
+    return acc, m_i, l_i
+
+
+@kernel
+def _fwd_kernel(
+    Q, K, V, Out, Lse, RowMax, RowSum,
+    tiles, n_tiles, counter,
+    q_offsets, out_offsets, kv_offsets,
+    sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, stat_h,
+    scale_log2, scale_abs, window, n_heads, group, profile,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+    SCHEDULE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Persistent forward over ordinary tiles (sequence, query block, query head)."""
+    DT: tl.constexpr = Out.dtype.element_ty
+    MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
+    MASK_DV: tl.constexpr = HEAD_DIM_V != BLOCK_DV
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_M)
+
+    t = pid
+    r = pid * 0
+    while t < n_tiles:
+        t_next = next_tile(r, pid, nprog, n_tiles, counter, SCHEDULE)
+        entry = t // n_heads
+        head = t - entry * n_heads
+        seq = tl.load(tiles + 2 * entry)
+        m0 = tl.load(tiles + 2 * entry + 1)
+        q_start, out_start, q_len, kv_start, kv_len = sequence_bounds(q_offsets, out_offsets, kv_offsets, seq)
+        kv_head = head // group
+        m1 = tl.minimum(m0 + BLOCK_M, q_len)
+        lo, full_lo, full_hi, hi = kv_block_range(m0, m1, q_len, kv_len, window, BLOCK_N, HAS_WINDOW, CAUSAL)
+
+        offs_m = m0 + offs_r
+        row_ok = offs_m < q_len
+        q = load_tile(row_base(Q, q_start + m0, sq_t, head, sq_h) + tile_offsets(offs_r, sq_t, offs_d, sq_d),
+                      row_ok, d_ok, True, MASK_D)
+        k_seq = row_base(K, kv_start, sk_t, kv_head, sk_h)
+        v_seq = row_base(V, kv_start, sv_t, kv_head, sv_h)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        acc, m_i, l_i = _fwd_blocks(
+            acc, m_i, l_i, q, k_seq, v_seq, lo, full_lo, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok,
+            sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, True, MASK_D, MASK_DV,
+            NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+        acc, m_i, l_i = _fwd_blocks(
+            acc, m_i, l_i, q, k_seq, v_seq, full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok,
+            sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, False, MASK_D, MASK_DV,
+            NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+        acc, m_i, l_i = _fwd_blocks(
+            acc, m_i, l_i, q, k_seq, v_seq, full_hi, hi, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok,
+            sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, True, MASK_D, MASK_DV,
+            NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+
+        out, lse = finalize(acc, m_i, l_i, scale_abs)
+        o_ptrs = row_base(Out, out_start + m0, so_t, head, so_h) + tile_offsets(offs_r, so_t, offs_dv, 1)
+        tl.store(o_ptrs, stored(out, DT, INTERPRET), mask=row_ok[:, None] & dv_ok[None, :])
+        stat = tl.cast(head, tl.int64) * stat_h + out_start + offs_m
+        tl.store(Lse + stat, lse, mask=row_ok)
+        tl.store(RowMax + stat, m_i, mask=row_ok)
+        tl.store(RowSum + stat, l_i, mask=row_ok)
+        t = t_next
+        r += 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Packed tiles.
+
+
+@triton.jit
+def packed_layout(pack_seqs, pack_shift, g, q_offsets, out_offsets, kv_offsets,
+                  BLOCK: tl.constexpr, SLOTS: tl.constexpr):
+    """Per tile row (= per tile key, the same slot map): slot, local index, and its sequence's bounds.
+
+    Returns (slot, loc, q_start, out_start, q_len, kv_start, kv_len, row_ok, key_ok), vectors [BLOCK];
+    lengths are 0 for empty slots, so their rows and keys are invalid.
+    """
+    shift = tl.load(pack_shift + g)
+    offs = tl.arange(0, BLOCK)
+    slot = offs >> shift
+    loc = offs - (slot << shift)
+    seq = tl.load(pack_seqs + g * SLOTS + slot)
+    has = seq >= 0
+    seq = tl.where(has, seq, 0)
+    q_start, out_start, q_len, kv_start, kv_len = sequence_bounds(q_offsets, out_offsets, kv_offsets, seq)
+    q_len = tl.where(has, q_len, 0)
+    kv_len = tl.where(has, kv_len, 0)
+    return slot, loc, q_start, out_start, q_len, kv_start, kv_len, loc < q_len, loc < kv_len
+
+
+@triton.jit
+def packed_visible(slot, loc, q_len, kv_len, row_ok, key_ok, window, HAS_WINDOW: tl.constexpr,
+                   CAUSAL: tl.constexpr):
+    """[BLOCK, BLOCK] block-diagonal visibility of a packed tile (rows × keys)."""
+    same = (slot[:, None] == slot[None, :]) & row_ok[:, None] & key_ok[None, :]
+    return same & visible(loc[:, None], loc[None, :], q_len[:, None], kv_len[:, None], window, HAS_WINDOW, CAUSAL)
+
+
+@kernel
+def _fwd_packed_kernel(
+    Q, K, V, Out, Lse, RowMax, RowSum,
+    pack_seqs, pack_shift, n_tiles, counter,
+    q_offsets, out_offsets, kv_offsets,
+    sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, stat_h,
+    scale_log2, scale_abs, window, n_heads, group, profile,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK: tl.constexpr, SLOTS: tl.constexpr,
+    NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+    SCHEDULE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Persistent forward over packed tiles (a group of tiny sequences), every query head in turn.
+
+    The head loop is the kernel's inner loop, so num_stages pipelines it: the next head's q, k and v
+    loads overlap this head's arithmetic (the workload is memory-bound).
+    """
+    DT: tl.constexpr = Out.dtype.element_ty
+    MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
+    MASK_DV: tl.constexpr = HEAD_DIM_V != BLOCK_DV
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+
+    t = pid
+    r = pid * 0
+    while t < n_tiles:
+        t_next = next_tile(r, pid, nprog, n_tiles, counter, SCHEDULE)
+        slot, loc, q_start, out_start, q_len, kv_start, kv_len, row_ok, key_ok = packed_layout(
+            pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets, BLOCK, SLOTS)
+        seen = packed_visible(slot, loc, q_len, kv_len, row_ok, key_ok, window, HAS_WINDOW, CAUSAL)
+        for head in range(n_heads):
+            kv_head = head // group
+            # Per-row scalar bases in int64 (gathered rows), int32 offsets along the head dim.
+            k = load_tile(row_base(K, kv_start + loc, sk_t, kv_head, sk_h)[:, None] + (offs_d * sk_d)[None, :],
+                          key_ok, d_ok, True, MASK_D)
+            v = load_tile(row_base(V, kv_start + loc, sv_t, kv_head, sv_h)[:, None] + (offs_dv * sv_d)[None, :],
+                          key_ok, dv_ok, True, MASK_DV)
+            q = load_tile(row_base(Q, q_start + loc, sq_t, head, sq_h)[:, None] + (offs_d * sq_d)[None, :],
+                          row_ok, d_ok, True, MASK_D)
+            s = raw_scores(mma(q, tl.trans(k), INTERPRET), NEG_SCALE)
+            s = tl.where(seen, s, float("-inf"))
+            p, m = block_softmax(s, scale_log2)
+            l = chunked_row_sum(p, BLOCK, BLOCK, 16)
+            acc = mma(rounded(p, DT, INTERPRET), v, INTERPRET)
+            out, lse = finalize(acc, m, l, scale_abs)
+            tl.store(row_base(Out, out_start + loc, so_t, head, so_h)[:, None] + offs_dv[None, :],
+                     stored(out, DT, INTERPRET), mask=row_ok[:, None] & dv_ok[None, :])
+            stat = tl.cast(head, tl.int64) * stat_h + out_start + loc
+            tl.store(Lse + stat, lse, mask=row_ok)
+            tl.store(RowMax + stat, m, mask=row_ok)
+            tl.store(RowSum + stat, l, mask=row_ok)
+        t = t_next
+        r += 1

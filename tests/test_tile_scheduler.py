@@ -1,0 +1,156 @@
+"""The host tile scheduler (jfa.tile_scheduler): tables, sorting, zigzag and dynamic dealing, packing."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from jfa import tile_scheduler as ts
+from jfa.block_info import kv_block_range_np, q_block_range_np
+
+
+def random_lengths(rng, batch, longest, empty=0.2):
+    lens = rng.integers(1, longest + 1, batch)
+    lens[rng.random(batch) < empty] = 0
+    return lens
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("mask", [(None, False), (None, True), (13, False), (5, True)])
+def test_query_and_key_tiles(seed, mask):
+    window, causal = mask
+    rng = np.random.default_rng(seed)
+    q_lens = random_lengths(rng, 40, 300)
+    kv_lens = random_lengths(rng, 40, 300)
+    main, packed = ts.split_packable(q_lens, kv_lens, 32)
+    heads = 3
+
+    table = ts.query_tiles(q_lens, kv_lens, main, 64, 32, window, causal, heads)
+    want = {(int(b), m) for b in main for m in range(0, int(q_lens[b]), 64)}
+    got = [(int(s), int(m)) for s, m in table.entries]
+    assert sorted(got) == sorted(want) and len(got) == len(want)
+    assert np.all(np.diff(table.work) <= 0), "sorted by work, descending"
+    for (s, m0), work in zip(got, table.work, strict=True):
+        lo, _, _, hi = kv_block_range_np(m0, min(m0 + 64, int(q_lens[s])), q_lens[s], kv_lens[s], window, 32, causal)
+        assert work == (hi - lo) // 32
+    assert table.n_tiles == len(want) * heads
+    s, m0, head = table.tile(table.n_tiles - 1)
+    assert (s, m0) == got[-1] and head == heads - 1
+
+    keys = ts.key_tiles(q_lens, kv_lens, main, 128, 16, window, causal, heads=1, group=3)
+    want = {(int(b), n) for b in main for n in range(0, int(kv_lens[b]), 128)}
+    got = [(int(s), int(n)) for s, n in keys.entries]
+    assert sorted(got) == sorted(want)
+    assert np.all(np.diff(keys.work) <= 0)
+    for (s, n0), work in zip(got, keys.work, strict=True):
+        lo, _, _, hi = q_block_range_np(n0, min(n0 + 128, int(kv_lens[s])), q_lens[s], kv_lens[s], window, 16, causal)
+        assert work == (hi - lo) // 16 * 3
+
+
+def test_split_packable():
+    q = np.array([0, 0, 5, 40, 16, 0, 33])
+    kv = np.array([0, 3, 0, 2, 32, 64, 1])
+    main, packed = ts.split_packable(q, kv, 32)
+    assert list(packed) == [1, 2, 4]
+    assert list(main) == [3, 5, 6]  # sequence 0 has nothing to compute or write
+    main, packed = ts.split_packable(q, kv, 0)
+    assert packed.size == 0 and list(main) == [1, 2, 3, 4, 5, 6]
+
+
+def test_pack_tiles():
+    rng = np.random.default_rng(3)
+    q = rng.integers(0, 65, 500)
+    kv = rng.integers(0, 65, 500)
+    _, packed = ts.split_packable(q, kv, 64)
+    table = ts.pack_tiles(q, kv, packed, 64)
+    assert table.seqs.shape == (table.n_groups, 64 // ts.PACK_ALIGN)
+    members = table.seqs[table.seqs >= 0]
+    assert sorted(members.tolist()) == sorted(packed.tolist()), "every packable sequence exactly once"
+    for g in range(table.n_groups):
+        slot = 1 << int(table.shift[g])
+        assert slot % ts.PACK_ALIGN == 0 and slot <= 64
+        row = table.seqs[g]
+        used = row[: 64 // slot]
+        assert (row[64 // slot:] == -1).all(), "no slot beyond the tile"
+        for s in used[used >= 0]:
+            longest = max(int(q[s]), int(kv[s]))
+            assert longest <= slot and (slot == 16 or longest > slot // 2), "the smallest slot class that fits"
+    assert table.n_tiles == table.n_groups
+
+
+def test_tiny_sequences_pack_into_few_tiles():
+    rng = np.random.default_rng(4)
+    lens = rng.integers(1, 33, 32768)
+    main, packed = ts.split_packable(lens, lens, 64)
+    assert main.size == 0
+    table = ts.pack_tiles(lens, lens, packed, 64)
+    # Slots of 16 (4 a tile) and 32 (2 a tile): about 32768 · (1/2 · 1/4 + 1/2 · 1/2) ≈ 12.3k tiles.
+    assert table.n_groups < 13000
+
+
+def test_many_sequences_build_quickly():
+    """70,000 sequences (more than a 65,535 grid axis): tables are built vectorised in well under a second,
+    and tile indices stay 1-D (persistent grids never need a second axis)."""
+    rng = np.random.default_rng(5)
+    q = rng.integers(0, 200, 70000)
+    kv = rng.integers(0, 200, 70000)
+    start = time.perf_counter()
+    sched = ts.build_schedule(q, kv, q_heads=4, kv_heads=2, window=None, causal=True, fwd_blocks=(128, 64),
+                              dq_blocks=(128, 64), dkv_blocks=(32, 128), pack_fwd=64, pack_bwd=32)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 5.0, elapsed
+    assert sched.fwd.n_tiles + sched.dkv.n_tiles > 65535
+    assert int(sched.fwd.entries[:, 0].max()) < 70000
+    n_packed = int((sched.packed_fwd.seqs >= 0).sum())
+    main, packed = ts.split_packable(q, kv, 64)
+    assert n_packed == packed.size
+    assert sched.profile == 1
+
+
+def test_profile_class():
+    assert ts.profile_class([], [], 64) == 0
+    assert ts.profile_class([3, 60], [64, 1], 64) == 0
+    assert ts.profile_class([3, 600], [64, 1], 64) == 1
+    assert ts.profile_class([3, 6], [64, 4096], 64) == 2
+
+
+@pytest.mark.parametrize("n_tiles,programs", [(1, 4), (7, 3), (132, 132), (1000, 132), (999, 7)])
+def test_zigzag_assignment(n_tiles, programs):
+    assignment = ts.zigzag_assignment(n_tiles, programs)
+    flat = np.concatenate(assignment) if assignment else np.zeros(0)
+    assert sorted(flat.tolist()) == list(range(n_tiles)), "every tile exactly once"
+    for pid, tiles in enumerate(assignment):
+        for r, t in enumerate(tiles):
+            expect = r * programs + (pid if r % 2 == 0 else programs - 1 - pid)
+            assert t == expect
+    # The first round gives the heaviest tiles to distinct programs; the second runs back.
+    if n_tiles >= 2 * programs:
+        assert [a[0] for a in assignment] == list(range(programs))
+        assert [a[1] for a in assignment] == list(range(2 * programs - 1, programs - 1, -1))
+
+
+def test_zigzag_balances_sorted_work():
+    """With work sorted descending, zigzag keeps every program within one tile of the mean (makespan
+    <= mean + max), unlike plain round-robin dealing on skewed work."""
+    rng = np.random.default_rng(6)
+    for _ in range(20):
+        work = np.sort(rng.pareto(1.5, rng.integers(50, 3000)) + 1)[::-1]
+        programs = int(rng.integers(2, 140))
+        zig = ts.makespan(ts.zigzag_assignment(work.size, programs), work)
+        assert zig <= work.sum() / programs + work.max() + 1e-9
+        dyn = ts.makespan(ts.dynamic_assignment(work, programs), work)
+        assert dyn <= work.sum() / programs + work.max() + 1e-9
+        flat = np.concatenate(ts.dynamic_assignment(work, programs))
+        assert sorted(flat.tolist()) == list(range(work.size))
+
+
+def test_kernel_dealing_formula():
+    """zigzag_tile is the formula the kernels' next_tile computes (round r, program pid)."""
+    for programs in (1, 2, 5):
+        for pid in range(programs):
+            for r in range(6):
+                t = ts.zigzag_tile(r, pid, programs)
+                assert t // programs == r
+                assert t % programs == (pid if r % 2 == 0 else programs - 1 - pid)
