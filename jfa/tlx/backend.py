@@ -1,0 +1,294 @@
+"""The TLX backend (`jfa.tlx.backend:BACKEND`): a warp-specialised Hopper forward, the Triton backward.
+
+Paths (`BACKEND.config(problem)["path"]` names the one a call takes; the verify suite records it):
+- "tlx": the kernel of `jfa.tlx.forward` (TMA producer, two ping-pong wgmma consumers, persistent over a
+  zigzag-dealt tile table sorted by key-block work) for every sequence longer than the Triton backend's
+  packed tile (64 at these head dims). Tiny sequences, if the batch has any, are gathered into a sub-batch
+  and run through the Triton forward, whose packed tiles serve them far better than 128-row tiles. Which
+  kernel a sequence gets depends on its own lengths only, so it gets the same bits alone and in any batch.
+- "triton": the whole call through `jfa.triton.backend` when the TLX kernel does not cover it: head dims
+  other than D = Dv in {64, 128} (80, 96, 192, 256, Dv != D), or a batch whose sequences are all tiny.
+- "fill": no key rows at all: every row is empty (out 0, lse -inf, m -inf, l 0); nothing is launched.
+- "none": no query rows (B = 0 or all q lengths 0): empty outputs, nothing is launched.
+bf16 and fp16 both take the TLX path.
+
+Backward: always `jfa.triton.backend.BACKEND.backward`. The TLX forward returns the residuals that backward
+reads, exactly as the Triton forward does: the raw row max m and the row sum l ([Hq, rows] fp32 each,
+`jfa.softmax`), from which it recomputes P robustly.
+
+Availability: fbtriton (Triton with TLX) importable, a CUDA device, and a kernel for its architecture in
+`KERNELS` (sm_90 today; a Blackwell kernel slots in as another entry). `triton.language.extra.tlx` is
+imported only when a kernel is launched or availability is asked, so `import jfa.tlx.backend` works with
+stock triton.
+
+Inputs are read through TMA descriptors straight from the caller's tensors when their layout allows it
+(unit head-dim stride, 16-byte aligned base and row stride; fused-QKV slices qualify); otherwise from a
+contiguous copy. Memory beyond inputs and outputs: m and l, the tile table (O(T) int32) and, for mixed
+batches, the gathered tiny sub-batch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from jfa import tile_scheduler as ts
+from jfa.problem import Problem
+
+# Compute capability (major·10 + minor) -> module holding that architecture's `fwd_ws_kernel`.
+KERNELS = {90: "jfa.tlx.forward"}
+
+
+@dataclass(frozen=True)
+class TlxConfig:
+    block_m: int = 128  # query rows per tile: two consumer halves of 64
+    block_n: int = 128  # keys per block
+    q_buffers: int = 2  # query tiles in flight (the next tile's Q loads while this one computes)
+    kv_buffers: int = 2  # K/V ring depth
+
+
+# Head dim (= value head dim) -> config. Shared memory (ptxas, sm_90a): 147,872 bytes at D 64, 213,352 at 128
+# (of 232,448). The fast path covers exactly these head dims.
+CONFIGS = {64: TlxConfig(kv_buffers=3), 128: TlxConfig()}
+NUM_WARPS = 4  # the producer's warps; the kernel adds 2 consumer warpgroups (12 warps in all)
+
+
+def tlx_missing() -> str | None:
+    """Why fbtriton's TLX cannot be imported, or None."""
+    try:
+        import triton.language.extra.tlx  # noqa: F401
+    except ImportError as error:
+        return f"fbtriton (Triton with TLX) is not installed: {error}"
+    return None
+
+
+def _arch(device: torch.device) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host planning: pure functions of the problem (no GPU, no fbtriton), cached per length profile.
+
+
+def route(problem: Problem, pack_block: int) -> tuple[str, str]:
+    """(path, reason) of a call; see the module docstring. `pack_block` is the Triton packed tile size."""
+    d, dv = problem.head_dim, problem.head_dim_v
+    if problem.out_rows == 0:
+        return "none", "no query rows: nothing to launch"
+    if d != dv or d not in CONFIGS:
+        return "triton", f"head dims {d}/{dv}: the TLX kernel covers D = Dv in {sorted(CONFIGS)}"
+    if problem.kv_rows == 0:
+        return "fill", "no key rows: every row is empty, filled without a launch"
+    main, _ = ts.split_packable(problem.q_lens, problem.kv_lens, pack_block)
+    if main.size == 0:
+        return "triton", f"every sequence is tiny (longest <= {pack_block}): Triton's packed tiles"
+    return "tlx", "warp-specialised TLX kernel"
+
+
+def rows_of(offsets: np.ndarray, lens: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+    """int64 row indices of the listed sequences, in order (offsets [B+1], lens [B])."""
+    counts = lens[seqs]
+    first = np.repeat(offsets[seqs] - (np.cumsum(counts) - counts), counts)
+    return first + np.arange(int(counts.sum()), dtype=np.int64)
+
+
+def descriptor_layout(x: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """(shape, strides) of x [T, H, D] seen as the 2-D tensor [T, (H - 1)·s_h + D] (row stride s_t, unit column
+    stride) whose box [rows, D] at column h·s_h is x[rows, h, :]; None when TMA cannot read x in place (head
+    dim not contiguous, base or row stride not 16-byte aligned, rows aliased, a dimension past int32)."""
+    t, h, d = x.shape
+    s_t, s_h, s_d = x.stride()
+    elem = x.element_size()
+    width = (h - 1) * s_h + d
+    if s_d != 1 or s_t <= 0 or s_h < 0 or (s_t * elem) % 16 or x.data_ptr() % 16 or max(t, width) >= 2**31:
+        return None
+    return [t, width], [s_t, 1]
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    path: str
+    reason: str
+    tiles: ts.TileTable | None  # TLX tiles (sorted by work; entries × q heads)
+    tiny: np.ndarray  # sequences routed to the Triton forward (path "tlx" only)
+    device_tables: dict = field(default_factory=dict, compare=False)  # device -> int32 tile table
+
+    def table_on(self, device: torch.device) -> torch.Tensor:
+        """The tile table on `device`, copied once per plan."""
+        key = str(device)
+        if key not in self.device_tables:
+            self.device_tables[key] = torch.from_numpy(self.tiles.entries.ravel()).to(device)
+        return self.device_tables[key]
+
+
+_PLANS: OrderedDict = OrderedDict()
+_PLAN_CACHE_SIZE = 16
+
+
+def pack_block_for(problem: Problem) -> int:
+    """The Triton backend's packed tile size for this problem (the sequences it packs are "tiny")."""
+    from jfa.triton import backend as triton_backend
+
+    return triton_backend.config_for(problem).packed_fwd.block_m
+
+
+def host_plan(problem: Problem, pack_block: int) -> HostPlan:
+    path, reason = route(problem, pack_block)
+    if path != "tlx":
+        return HostPlan(path, reason, None, np.zeros(0, np.int64))
+    from jfa.triton.backend import effective_window
+
+    q_lens, kv_lens = problem.q_lens.numpy(), problem.kv_lens.numpy()
+    window = None if problem.window is None else effective_window(problem)
+    cfg = CONFIGS[problem.head_dim]
+    key = (q_lens.tobytes(), kv_lens.tobytes(), problem.q_heads, window, problem.causal, cfg, pack_block)
+    if key in _PLANS:
+        _PLANS.move_to_end(key)
+        return _PLANS[key]
+    main, tiny = ts.split_packable(q_lens, kv_lens, pack_block)
+    tiles = ts.query_tiles(q_lens, kv_lens, main, cfg.block_m, cfg.block_n, window, problem.causal, problem.q_heads)
+    plan = HostPlan(path, reason, tiles, tiny)
+    _PLANS[key] = plan
+    while len(_PLANS) > _PLAN_CACHE_SIZE:
+        _PLANS.popitem(last=False)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launching.
+
+
+def _descriptor(x: torch.Tensor, box_rows: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    layout = descriptor_layout(x)
+    if layout is None:
+        x = x.contiguous()
+        layout = descriptor_layout(x)
+    shape, strides = layout
+    return TensorDescriptor(x, shape=shape, strides=strides, block_shape=[box_rows, x.shape[2]]), x.stride(1)
+
+
+def _launch_tlx(q, k, v, out, lse, row_max, row_sum, plan: HostPlan, problem: Problem) -> None:
+    from jfa.triton.backend import LOG2E, MIN_SCALE_LOG2, effective_window
+
+    device = q.device
+    cfg = CONFIGS[problem.head_dim]
+    kernel = importlib.import_module(KERNELS[_arch(device)]).fwd_ws_kernel
+    desc_q, sq_h = _descriptor(q, cfg.block_m // 2)
+    desc_k, sk_h = _descriptor(k, cfg.block_n)
+    desc_v, sv_h = _descriptor(v, cfg.block_n)
+    n_tiles = plan.tiles.n_tiles
+    programs = min(n_tiles, torch.cuda.get_device_properties(device).multi_processor_count)
+    scale = problem.sm_scale
+    with torch.cuda.device(device):
+        kernel[(programs,)](
+            desc_q, desc_k, desc_v, out, lse, row_max, row_sum,
+            plan.table_on(device), n_tiles, problem.q_offsets, problem.out_offsets, problem.kv_offsets,
+            sq_h, sk_h, sv_h, out.stride(0), out.stride(1), lse.stride(0), q.shape[0], k.shape[0],
+            max(abs(scale) * LOG2E, MIN_SCALE_LOG2), abs(scale), effective_window(problem), problem.q_heads,
+            problem.group_size,
+            HEAD_DIM=problem.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_BUFFERS=cfg.q_buffers,
+            KV_BUFFERS=cfg.kv_buffers, NEG_SCALE=scale < 0, HAS_WINDOW=problem.window is not None,
+            CAUSAL=problem.causal, num_warps=NUM_WARPS, num_stages=1,
+        )
+
+
+def _forward_tiny(q, k, v, out, lse, row_max, row_sum, tiny: np.ndarray, problem: Problem) -> None:
+    """The Triton forward on the sub-batch of the tiny sequences, scattered back into the outputs."""
+    from jfa.triton.backend import BACKEND as TRITON
+    from jfa.validation import validate
+
+    device = q.device
+    q_lens, kv_lens = problem.q_lens.numpy(), problem.kv_lens.numpy()
+
+    def index(offsets: torch.Tensor, lens: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(rows_of(offsets.numpy(), lens, tiny)).to(device)
+
+    def offsets(lens: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([[0], np.cumsum(lens[tiny])]).astype(np.int32)).to(device)
+
+    kv_index = index(problem.kv_offsets_host, kv_lens)
+    out_index = index(problem.out_offsets_host, q_lens)
+    if problem.broadcast_q:
+        q_sub, q_off = q, None
+    else:
+        q_sub, q_off = q.index_select(0, index(problem.q_offsets_host, q_lens)), offsets(q_lens)
+    k_sub, v_sub = k.index_select(0, kv_index), v.index_select(0, kv_index)
+    sub = validate(q_sub, k_sub, v_sub, q_off, offsets(kv_lens), max_q_len=None, max_kv_len=None,
+                   sm_scale=problem.sm_scale, window=problem.window, causal=problem.causal,
+                   broadcast_q=problem.broadcast_q, deterministic=problem.deterministic)
+    out_s, lse_s, (max_s, sum_s) = TRITON.forward(q_sub, k_sub, v_sub, sub)
+    out.index_copy_(0, out_index, out_s)
+    for full, part in ((lse, lse_s), (row_max, max_s), (row_sum, sum_s)):
+        full.index_copy_(1, out_index, part)
+
+
+class TlxBackend:
+    name = "tlx"
+    description = ("TLX warp-specialised Hopper forward (TMA producer, ping-pong wgmma consumers, persistent "
+                   "zigzag tiles) for D = Dv in {64, 128}; Triton forward otherwise and for tiny sequences; "
+                   "Triton backward")
+
+    def unavailable(self, device: torch.device) -> str | None:
+        missing = tlx_missing()
+        if missing:
+            return missing
+        device = torch.device(device)
+        if device.type != "cuda":
+            return f"the TLX kernels run on CUDA GPUs, not {device.type}"
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return "the TLX kernels cannot run under TRITON_INTERPRET=1"
+        arch = _arch(device)
+        if arch not in KERNELS:
+            have = ", ".join(f"sm_{a}" for a in sorted(KERNELS))
+            return f"no TLX kernel for sm_{arch} yet (kernels: {have})"
+        return None
+
+    def config(self, problem: Problem) -> dict:
+        """Which path a call takes and why; for the TLX path its kernel config and tile counts."""
+        plan = host_plan(problem, pack_block_for(problem))
+        info = {"path": plan.path, "reason": plan.reason, "backward": "triton"}
+        if plan.path == "tlx":
+            info.update(asdict(CONFIGS[problem.head_dim]), schedule="static zigzag", tiles=plan.tiles.n_tiles,
+                        triton_sequences=int(plan.tiny.size))
+        return info
+
+    def forward(self, q, k, v, problem: Problem):
+        plan = host_plan(problem, pack_block_for(problem))
+        if plan.path == "triton":
+            from jfa.triton.backend import BACKEND as TRITON
+
+            return TRITON.forward(q, k, v, problem)
+        rows, hq = problem.out_rows, problem.q_heads
+        out = torch.empty(rows, hq, problem.head_dim_v, dtype=q.dtype, device=q.device)
+        lse, row_max, row_sum = (torch.empty(hq, rows, dtype=torch.float32, device=q.device) for _ in range(3))
+        if plan.path == "fill":
+            out.zero_()
+            lse.fill_(-math.inf)
+            row_max.fill_(-math.inf)
+            row_sum.zero_()
+        elif plan.path == "tlx":
+            if plan.tiles.n_tiles:
+                _launch_tlx(q, k, v, out, lse, row_max, row_sum, plan, problem)
+            if plan.tiny.size:
+                _forward_tiny(q, k, v, out, lse, row_max, row_sum, plan.tiny, problem)
+        return out, lse, (row_max, row_sum)
+
+    def backward(self, dout, q, k, v, out, lse, residuals, problem: Problem):
+        """The Triton backend's backward (residuals m and l are those the Triton forward writes)."""
+        from jfa.triton.backend import BACKEND as TRITON
+
+        return TRITON.backward(dout, q, k, v, out, lse, residuals, problem)
+
+
+BACKEND = TlxBackend()
+
+__all__ = ["BACKEND", "CONFIGS", "KERNELS", "TlxConfig", "descriptor_layout", "host_plan", "route", "rows_of"]

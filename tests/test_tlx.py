@@ -1,0 +1,276 @@
+"""The TLX backend without a GPU: availability reasons, lazy import, host planning (routes, tile tables, TMA
+descriptor layouts, the tiny-sequence sub-batch) and, where fbtriton is installed, the sm_90 compile check.
+
+The kernel itself needs an sm_90 GPU: `python -m jfa.tlx.gpu_selftest` checks it there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+
+_TRITON_WAS_IMPORTED = "triton" in sys.modules
+if not _TRITON_WAS_IMPORTED:
+    os.environ["TRITON_INTERPRET"] = "1"  # as tests/test_triton_backend.py: the Triton sub-batch runs interpreted
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from jfa import tile_scheduler as ts  # noqa: E402
+from tests.helpers import jagged_inputs, problem_of  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACK = 64  # the Triton backend's packed tile at D <= 128 on the GPU
+
+
+def _fbtriton_present() -> bool:
+    """Whether the importable triton is fbtriton (has TLX), found without importing triton."""
+    spec = importlib.util.find_spec("triton")
+    return spec is not None and any(os.path.exists(os.path.join(p, "language", "extra", "tlx", "__init__.py"))
+                                    for p in spec.submodule_search_locations or [])
+
+
+def _env_without_interpreter() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def _problem(q_lens, kv_lens, hq=4, hkv=2, d=128, dv=None, **kwargs):
+    q, k, v, q_off, kv_off, _ = jagged_inputs(q_lens, kv_lens, hq, hkv, d, dv or d,
+                                              broadcast_q=kwargs.get("broadcast_q", False))
+    return (q, k, v), problem_of(q, k, v, q_off, kv_off, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Import and availability
+
+
+def test_import_is_lazy_and_registered():
+    # fbtriton's own `import triton` loads tlx; what must stay lazy is the kernel module.
+    code = ("import sys, jfa, jfa.tlx.backend as b; from jfa import backends; "
+            "assert backends.get('tlx') is b.BACKEND; "
+            "assert 'jfa.tlx.forward' not in sys.modules, 'kernel module imported eagerly'; print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env_without_interpreter(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_unavailable_reasons(monkeypatch):
+    from jfa.tlx import backend
+
+    real = backend.tlx_missing()
+    if not _fbtriton_present():
+        assert real.startswith("fbtriton (Triton with TLX) is not installed")
+        assert backend.BACKEND.unavailable(torch.device("cpu")) == real
+    monkeypatch.setattr(backend, "tlx_missing", lambda: "fbtriton (Triton with TLX) is not installed: test")
+    assert "not installed" in backend.BACKEND.unavailable(torch.device("cuda"))
+
+    monkeypatch.setattr(backend, "tlx_missing", lambda: None)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "CUDA" in backend.BACKEND.unavailable(torch.device("cpu"))
+    for capability, reason in (((9, 0), None), ((8, 0), "no TLX kernel for sm_80 yet"),
+                               ((10, 0), "no TLX kernel for sm_100 yet"), ((12, 0), "no TLX kernel for sm_120 yet")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        got = backend.BACKEND.unavailable(torch.device("cuda"))
+        assert got == reason if reason is None else got.startswith(reason), (capability, got)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "TRITON_INTERPRET" in backend.BACKEND.unavailable(torch.device("cuda"))
+
+
+def test_backward_is_the_triton_backward(monkeypatch):
+    from jfa.tlx import backend
+    from jfa.triton import backend as triton_backend
+
+    seen = []
+    monkeypatch.setattr(triton_backend.BACKEND, "backward", lambda *args: seen.append(args) or "grads")
+    args = ("dout", "q", "k", "v", "out", "lse", ("m", "l"), "problem")
+    assert backend.BACKEND.backward(*args) == "grads" and seen == [args]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Routing and tile tables
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,dims,kwargs,path", [
+    ([300, 20], [300, 20], (128, 128), {}, "tlx"),
+    ([300, 20], [300, 20], (64, 64), dict(causal=True, window=5), "tlx"),
+    ([300, 20], [300, 20], (80, 80), {}, "triton"),
+    ([300, 20], [300, 20], (96, 96), {}, "triton"),
+    ([300, 20], [300, 20], (256, 256), {}, "triton"),
+    ([300, 20], [300, 20], (128, 64), {}, "triton"),
+    ([30, 20, 64], [64, 1, 9], (128, 128), {}, "triton"),  # all tiny
+    ([300, 200], [0, 0], (128, 128), {}, "fill"),  # no key rows at all
+    ([0, 0], [30, 300], (128, 128), {}, "none"),
+    ([], [], (128, 128), {}, "none"),
+    ([0, 100, 0], [500, 0, 70], (128, 128), {}, "tlx"),
+])
+def test_route(q_lens, kv_lens, dims, kwargs, path):
+    from jfa.tlx.backend import route
+
+    _, problem = _problem(q_lens, kv_lens, d=dims[0], dv=dims[1], **kwargs)
+    got, reason = route(problem, PACK)
+    assert got == path, reason
+    assert reason
+
+
+def test_route_broadcast_q():
+    from jfa.tlx.backend import route
+
+    assert route(_problem([100] * 3, [0, 50, 700], broadcast_q=True)[1], PACK)[0] == "tlx"
+    assert route(_problem([40] * 3, [0, 50, 64], broadcast_q=True)[1], PACK)[0] == "triton"
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 40), (True, 100)])
+def test_plan_covers_every_row_once(causal, window):
+    """TLX tiles (block_m rows × every query head) plus the tiny sub-batch cover each output row exactly
+    once; tiles are the scheduler's query tiles of the non-tiny sequences, sorted by work."""
+    from jfa.tlx.backend import CONFIGS, host_plan, rows_of
+
+    rng = np.random.default_rng(3)
+    q_lens = [0, 1, 64, 65, 128, 129, 700, 3, 0, 4096] + [int(x) for x in rng.integers(0, 300, 30)]
+    kv_lens = [5, 0, 64, 70, 100, 129, 0, 70, 0, 4000] + [int(x) for x in rng.integers(0, 300, 30)]
+    _, problem = _problem(q_lens, kv_lens, causal=causal, window=window)
+    plan = host_plan(problem, PACK)
+    assert plan.path == "tlx"
+    main, tiny = ts.split_packable(q_lens, kv_lens, PACK)
+    np.testing.assert_array_equal(plan.tiny, tiny)
+    cfg = CONFIGS[128]
+    want = ts.query_tiles(q_lens, kv_lens, main, cfg.block_m, cfg.block_n, window, causal, problem.q_heads)
+    np.testing.assert_array_equal(plan.tiles.entries, want.entries)
+    assert plan.tiles.heads == problem.q_heads and (np.diff(plan.tiles.work) <= 0).all()
+
+    covered = np.zeros((problem.q_heads, problem.out_rows), dtype=np.int64)
+    out_off = problem.out_offsets_host.numpy()
+    for t in range(plan.tiles.n_tiles):
+        seq, m0, head = plan.tiles.tile(t)
+        rows = out_off[seq] + np.arange(m0, min(m0 + cfg.block_m, q_lens[seq]))
+        covered[head, rows] += 1
+    covered[:, rows_of(out_off, np.asarray(q_lens), tiny)] += 1
+    assert (covered == 1).all()
+    assert host_plan(problem, PACK) is plan  # cached per length profile
+
+
+def test_rows_of():
+    from jfa.tlx.backend import rows_of
+
+    off = np.array([0, 3, 3, 10, 12])
+    lens = np.diff(off)
+    np.testing.assert_array_equal(rows_of(off, lens, np.array([0, 2])), [0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+    np.testing.assert_array_equal(rows_of(off, lens, np.array([3, 1, 0])), [10, 11, 0, 1, 2])
+    assert rows_of(off, lens, np.array([], dtype=np.int64)).size == 0
+
+
+def test_config_reports_the_path():
+    from jfa.tlx.backend import BACKEND
+
+    _, problem = _problem([300, 20, 0], [250, 20, 3], causal=True)
+    info = BACKEND.config(problem)
+    assert info["path"] == "tlx" and info["backward"] == "triton" and info["schedule"] == "static zigzag"
+    assert info["block_m"] == 128 and info["tiles"] == 3 * 4 and info["triton_sequences"] == 2
+    assert BACKEND.config(_problem([30], [30], d=80)[1])["path"] == "triton"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TMA descriptor layouts
+
+
+def _check_2d_view(x):
+    """The descriptor's 2-D view of x (same storage) holds x[:, h, :] at columns [h·s_h, h·s_h + D)."""
+    from jfa.tlx.backend import descriptor_layout
+
+    shape, strides = descriptor_layout(x)
+    flat = torch.as_strided(x, shape, strides)
+    for h in range(x.shape[1]):
+        col = h * x.stride(1)
+        assert torch.equal(flat[:, col:col + x.shape[2]], x[:, h, :])
+
+
+def test_descriptor_layouts_read_in_place_or_copy():
+    from jfa.tlx.backend import descriptor_layout
+
+    x = torch.randn(37, 4, 128).to(torch.bfloat16)
+    assert descriptor_layout(x) == ([37, 512], [512, 1])
+    _check_2d_view(x)
+    fused = torch.randn(37, 3, 2, 64).to(torch.bfloat16)  # fused QKV: k = fused[:, 1]
+    assert descriptor_layout(fused[:, 1]) == ([37, 128], [384, 1])
+    _check_2d_view(fused[:, 1])
+    padded = torch.randn(37, 4, 168).to(torch.bfloat16)[:, :, 8:136]  # 16-byte offset, head stride 168
+    assert descriptor_layout(padded) == ([37, 3 * 168 + 128], [672, 1])
+    _check_2d_view(padded)
+    shared_heads = torch.randn(37, 1, 64).to(torch.bfloat16).expand(37, 8, 64)  # stride 0 over heads
+    assert descriptor_layout(shared_heads) == ([37, 64], [64, 1])
+    _check_2d_view(shared_heads)
+    assert descriptor_layout(torch.randn(37, 4, 256).to(torch.bfloat16)[:, :, ::2]) is None  # head dim strided
+    assert descriptor_layout(torch.randn(37, 4, 136).to(torch.bfloat16)[:, :, 4:132]) is None  # base misaligned
+    assert descriptor_layout(torch.randn(37, 1, 12).to(torch.bfloat16)[:, :, :8]) is None  # row stride 24 bytes
+    assert descriptor_layout(torch.randn(1, 4, 64).to(torch.bfloat16).expand(37, 4, 64)) is None  # rows aliased
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Paths that run without the kernel
+
+
+def test_fill_and_none_paths_launch_nothing():
+    from jfa.tlx.backend import BACKEND
+
+    (q, k, v), problem = _problem([300, 5], [0, 0])
+    out, lse, (row_max, row_sum) = BACKEND.forward(q, k, v, problem)
+    assert out.shape == (305, 4, 128) and (out == 0).all()
+    assert torch.isneginf(lse).all() and torch.isneginf(row_max).all() and (row_sum == 0).all()
+    (q, k, v), problem = _problem([0, 0], [7, 300])
+    out, lse, (row_max, row_sum) = BACKEND.forward(q, k, v, problem)
+    assert out.shape == (0, 4, 128) and lse.shape == row_max.shape == row_sum.shape == (4, 0)
+
+
+def _interpreter_reason() -> str | None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return "TRITON_INTERPRET is not 1 (triton was imported before this module could set it)"
+    from jfa.triton import backend
+
+    if not backend.interpreted_consistently():
+        return "triton was imported before TRITON_INTERPRET=1 was set in this process"
+    return None
+
+
+@pytest.mark.parametrize("broadcast_q", [False, True])
+def test_tiny_sub_batch_matches_triton_bitwise(broadcast_q):
+    """The tiny sequences of a mixed batch, gathered into a sub-batch, get exactly the Triton forward's bits
+    for the whole batch; the other rows are left to the TLX kernel (untouched here)."""
+    reason = _interpreter_reason()
+    if reason:
+        pytest.skip(reason)
+    from jfa.tlx import backend
+    from jfa.triton import backend as triton_backend
+
+    q_lens = [20] * 5 if broadcast_q else [0, 20, 70, 3, 33, 0, 40]
+    kv_lens = [0, 50, 70, 3, 30] if broadcast_q else [5, 20, 65, 0, 33, 2, 90]
+    (q, k, v), problem = _problem(q_lens, kv_lens, hq=4, hkv=2, d=16, causal=True, broadcast_q=broadcast_q)
+    pack = backend.pack_block_for(problem)
+    tiny = ts.split_packable(q_lens, kv_lens, pack)[1]
+    rows, hq = problem.out_rows, problem.q_heads
+    out = torch.full((rows, hq, 16), math.nan, dtype=q.dtype)
+    lse, row_max, row_sum = (torch.full((hq, rows), math.nan) for _ in range(3))
+    backend._forward_tiny(q, k, v, out, lse, row_max, row_sum, tiny, problem)
+    want_out, want_lse, (want_max, want_sum) = triton_backend.BACKEND.forward(q, k, v, problem)
+    idx = torch.from_numpy(backend.rows_of(problem.out_offsets_host.numpy(), np.asarray(q_lens), tiny))
+    other = torch.ones(rows, dtype=torch.bool)
+    other[idx] = False
+    assert torch.equal(out[idx], want_out[idx]) and torch.isnan(out[other]).all()
+    for got, want in ((lse, want_lse), (row_max, want_max), (row_sum, want_sum)):
+        assert torch.equal(got[:, idx], want[:, idx]) and torch.isnan(got[:, other]).all()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Compile-only check (fbtriton, no GPU)
+
+
+@pytest.mark.skipif(not _fbtriton_present(), reason="fbtriton (Triton with TLX) is not installed")
+def test_compile_check_sm90():
+    proc = subprocess.run([sys.executable, "-m", "jfa.tlx.compile_check", "--quick"], cwd=ROOT,
+                          env=_env_without_interpreter(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "COMPILE PASS" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-3000:]
