@@ -9,6 +9,7 @@ as module-level callables (`tests.planted:<bug>`) so the suite can also be point
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -77,17 +78,40 @@ def _round(x: torch.Tensor, dtype: torch.dtype, truncate: bool = False) -> torch
 
 
 class Emulator:
-    """A tiled flash kernel in PyTorch, per sequence; `bug` switches one planted bug on."""
+    """A tiled flash kernel in PyTorch, per sequence; `bug` switches one planted bug on.
+
+    It also offers kernel configurations as an autotuned kernel does (the protocol of verify/bisect.py):
+    `configs()` lists them, `use_config(index)` forces one, `config(problem)` reports the one in use. Config
+    TRUNCATING_CONFIG is planted bad: it truncates P, as the `truncated_p` bug does.
+    """
 
     description = "tiled flash-attention emulator with a planted bug"
+    CONFIGS = ({"BLOCK_N": 16, "p_rounding": "nearest"}, {"BLOCK_N": 32, "p_rounding": "nearest"},
+               {"BLOCK_N": 32, "p_rounding": "truncate"}, {"BLOCK_N": 64, "p_rounding": "nearest"})
+    TRUNCATING_CONFIG = 2
 
-    def __init__(self, bug: str | None = None):
+    def __init__(self, bug: str | None = None, block_n: int = BLOCK_N):
         assert bug is None or bug in BUG_NAMES, bug
         self.bug = bug
         self.name = f"planted-{bug}" if bug else "emulator"
+        self.active = {"BLOCK_N": block_n, "p_rounding": "nearest"}
 
     def unavailable(self, device):
         return None
+
+    def configs(self) -> list[dict]:
+        return [dict(c) for c in self.CONFIGS]
+
+    @contextlib.contextmanager
+    def use_config(self, index: int):
+        previous, self.active = self.active, dict(self.CONFIGS[index])
+        try:
+            yield
+        finally:
+            self.active = previous
+
+    def config(self, problem: Problem) -> dict:
+        return dict(self.active, BLOCK_N=self._block_n(problem))
 
     # Per-sequence views --------------------------------------------------------------------------------
     def _sequences(self, problem: Problem):
@@ -98,15 +122,15 @@ class Emulator:
 
     def _block_n(self, problem: Problem) -> int:
         if self.bug == "batch_dependent_blocks" and problem.max_kv_len > 64:
-            return 2 * BLOCK_N
-        return BLOCK_N
+            return 2 * self.active["BLOCK_N"]
+        return self.active["BLOCK_N"]
 
     def _visible_len(self, kv_len: int) -> int:
         """How many keys of a sequence the (possibly buggy) mask lets through."""
         if self.bug == "kv_mask_off_by_one":
             return kv_len + 1
         if self.bug == "neighbour_leak":
-            return -(-kv_len // BLOCK_N) * BLOCK_N
+            return -(-kv_len // self.active["BLOCK_N"]) * self.active["BLOCK_N"]
         return kv_len
 
     def _keys(self, k, v, problem: Problem, b: int, kv_len: int, first_sequence: bool = False):
@@ -159,7 +183,8 @@ class Emulator:
                 alpha = torch.exp(m - m_safe)
                 p = torch.exp(s - m_safe.unsqueeze(-1))
                 l_sum = (l_sum if self.bug == "p_not_renormalised" else alpha * l_sum) + p.sum(-1)
-                pv = _round(p, dtype, truncate=self.bug == "truncated_p") @ vs[:, j0:j0 + block_n]
+                truncate = self.bug == "truncated_p" or self.active["p_rounding"] == "truncate"
+                pv = _round(p, dtype, truncate=truncate) @ vs[:, j0:j0 + block_n]
                 acc = (acc if self.bug == "missing_rescale" else alpha.unsqueeze(-1) * acc) + pv
                 m = m_new
             o = torch.where(l_sum.unsqueeze(-1) > 0, acc / l_sum.clamp_min(1e-30).unsqueeze(-1), 0.0)
@@ -230,12 +255,13 @@ class Emulator:
 
     def _dq(self, ds, ks, problem: Problem):
         """dS K summed over key blocks; in a shuffled (run-dependent) order for nondeterministic_dq."""
-        blocks = list(range(0, ks.shape[1], BLOCK_N))
+        block_n = self.active["BLOCK_N"]
+        blocks = list(range(0, ks.shape[1], block_n))
         if self.bug == "nondeterministic_dq":
             blocks = [blocks[i] for i in torch.randperm(len(blocks)).tolist()]
         total = torch.zeros(ds.shape[0], ds.shape[1], ks.shape[2], device=ds.device)
         for j0 in blocks:
-            total = total + ds[:, :, j0:j0 + BLOCK_N] @ ks[:, j0:j0 + BLOCK_N]
+            total = total + ds[:, :, j0:j0 + block_n] @ ks[:, j0:j0 + block_n]
         return total
 
 
