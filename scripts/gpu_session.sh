@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU work of a session on the lent H200 machine(s), in stages, each writing under $OUT:
+#   bash scripts/gpu_session.sh STAGE [STAGE ...]
+# Stages: env, triton-selftest, tlx-selftest, premerge (--gpus N, --backends "a b"), bench, sanitizer, repeat,
+# gate-update. The machine has no package registry: run from the carried tree (PYTHONPATH) and carry
+# fbtriton in .carry for the tlx stages (../shared/device/README.md).
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/jfa
+FBT=/tmp/fbt
+
+with_fbtriton() {  # runs "$@" with fbtriton (Triton with TLX) first on the path
+  [ -d $FBT ] || python3 -c "import tarfile; tarfile.open('.carry/fbtriton-cp312.tar.xz').extractall('$FBT')"
+  PYTHONPATH=$FBT:$PWD "$@"
+}
+
+stage_env() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/env.txt"
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/env.txt"
+}
+
+stage_triton_selftest() { timeout 240 python3 -m jfa.triton.gpu_selftest --jobs 16 2>&1 | tee "$OUT/triton_selftest.txt"; }
+
+stage_tlx_selftest() { with_fbtriton timeout 300 python3 -m jfa.tlx.gpu_selftest 2>&1 | tee "$OUT/tlx_selftest.txt"; }
+
+# premerge GPUS "BACKENDS" TAG: the premerge profile on the first GPUS GPUs, 4 workers each; wall time recorded.
+stage_premerge() {
+  local gpus=$1 backends=$2 tag=$3 devices args=()
+  devices=$(seq -s, 0 $((gpus - 1)))
+  for b in $backends; do args+=(--jfa-backend "$b"); done
+  local start=$SECONDS
+  CUDA_VISIBLE_DEVICES=$devices timeout ${PREMERGE_TIMEOUT:-300} python3 -m pytest -n auto -q -p no:cacheprovider \
+    verify/ --jfa-profile premerge "${args[@]}" --jfa-results /tmp/jfa/$tag.jsonl > /tmp/jfa/$tag.log 2>&1
+  echo "premerge $tag on $gpus GPU(s), backends $backends: exit $?, wall $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
+  tail -n 60 /tmp/jfa/$tag.log
+  gzip -c /tmp/jfa/$tag.jsonl > "$OUT/$tag.jsonl.gz" 2>/dev/null
+  grep -E "^(FAILED|ERROR)|crashed|INTERNALERROR" /tmp/jfa/$tag.log | head -n 80 > "$OUT/$tag.failures.txt"
+}
+
+stage_bench() { timeout ${BENCH_TIMEOUT:-240} python3 -m jfa.bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"; }
+
+stage_sanitizer() {
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider verify/ \
+    --jfa-profile smoke --jfa-backend triton --jfa-results /tmp/jfa/sanitizer.jsonl 2>&1 | tail -n 40 | tee "$OUT/sanitizer.txt"
+}
+
+stage_repeat() { timeout 240 python3 -m verify.repeat --backend triton --runs 200 --deterministic 2>&1 | tee "$OUT/repeat.txt"; }
+
+for stage in "$@"; do
+  echo "=== $stage ($(date -u +%H:%M:%S))"
+  case $stage in
+    premerge:*) IFS=: read -r _ gpus backends tag <<< "$stage"; stage_premerge "$gpus" "${backends//,/ }" "$tag" ;;
+    *) "stage_${stage//-/_}" ;;
+  esac
+done
