@@ -38,7 +38,7 @@ stage_premerge() {
   grep -E "^(FAILED|ERROR)|crashed|INTERNALERROR" /tmp/jfa/$tag.log | head -n 80 > "$OUT/$tag.failures.txt"
 }
 
-stage_bench() { timeout ${BENCH_TIMEOUT:-240} python3 -m jfa.bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"; }
+stage_bench() { timeout ${BENCH_TIMEOUT:-240} python3 -m jfa.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"; }
 
 stage_sanitizer() {
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider verify/ \
