@@ -66,6 +66,13 @@ class Bf16Model:
     def unavailable(self, device: torch.device) -> str | None:
         return None
 
+    def batch_invariance_waiver(self, device: torch.device) -> str | None:
+        """The model promises bitwise batch and padding invariance on the CPU only: cuBLAS picks its kernels
+        by matrix shape and pointer alignment, so on a GPU a sequence's bits depend on its bucket."""
+        if device.type == "cuda":
+            return "bf16-model on CUDA: cuBLAS picks kernels by shape and alignment (a baseline, not a product kernel)"
+        return None
+
     def forward(self, q, k, v, problem: Problem):
         device, dtype = q.device, q.dtype
         hq, rows = problem.q_heads, problem.out_rows

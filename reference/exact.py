@@ -15,9 +15,9 @@ Bounds (`bound_*`, float32) follow the first-order rounding model of DESIGN.md, 
 with u the input dtype's unit roundoff, plus two kinds of term DESIGN.md's set leaves out.
 
 Underflow: rounding to the input dtype has an absolute error floor η (half its smallest subnormal: 2^-25 in
-fp16, negligible in bf16). Every rounded P or dS entry and every rounded output may be off by η, which
-adds η M|V| to b_O, η Mᵀ|dO| to b_dV, η M to b_dS (M the 0/1 visibility) and η to every bound; fp16
-gradients of ~1e-7 are otherwise far outside a purely relative bound.
+fp16; 2^-126 in bf16, where GPUs flush fp32 subnormals to zero). Every rounded P or dS entry and every rounded
+output may be off by η, which adds η M|V| to b_O, η Mᵀ|dO| to b_dV, η M to b_dS (M the 0/1 visibility) and η
+to every bound; fp16 gradients of ~1e-7 are otherwise far outside a purely relative bound.
 
 Logit rounding: the fp32 rounding of the logits themselves. A logit s = scale·q·k summed in fp32 over D
 terms (then scaled, and scaled by log2 e in exp2-based kernels) is off by up to w·a with w = (D + 2)·u32
@@ -188,9 +188,14 @@ def reference(q, k, v, problem: Problem, dout: torch.Tensor | None = None, devic
 
 
 def underflow_floor(dtype: torch.dtype) -> float:
-    """η: half the smallest subnormal of `dtype`, the absolute error floor of rounding to it."""
+    """η: the absolute error floor of producing a value in `dtype` through fp32 arithmetic.
+
+    Half the smallest subnormal of `dtype` (rounding to it), but at least fp32's smallest normal 2^-126:
+    GPU fp32 arithmetic flushes subnormals to zero (ftz; Triton's exp2 is ex2.approx.ftz), and bf16
+    subnormals are fp32 subnormals, so a bf16 gradient of 1e-39 may come out 0.
+    """
     info = torch.finfo(dtype)
-    return info.smallest_normal * info.eps / 2
+    return max(info.smallest_normal * info.eps / 2, torch.finfo(torch.float32).smallest_normal)
 
 
 def _backward(result: Reference, r_rows, inputs, dout, problem: Problem, u: float, w: float, eta: float) -> None:

@@ -1,13 +1,15 @@
 """The Triton backend (`jfa.triton.backend:BACKEND`): block configs, tile schedules and kernel launches.
 
-Configs. Block shapes and warps are fixed per head-dim class (the larger padded head dim of q/k and v:
-<= 64, 128, 256) and dtype-independent: they decide the order of every floating-point reduction, so
-changing them with the batch would break batch invariance (a sequence must get the same bits alone and
-inside any batch). `triton.autotune` therefore only chooses num_stages (software pipelining depth, which
-does not change arithmetic), keyed on head dims, dtype (the autotuner adds argument dtypes to the key),
-causal/window and a coarse length-profile class of the batch (`jfa.tile_scheduler.profile_class`). Set
-JFA_TRITON_AUTOTUNE=0 to skip tuning (first listed stage count). Under TRITON_INTERPRET=1 small blocks are
-used (16/32: many block boundaries at test sizes) and nothing is tuned.
+Configs. Block shapes and warps are fixed per head-dim class (the larger padded head dim of q/k and v: <= 64,
+128, 256) and dtype-independent: they decide the order of every floating-point reduction, so changing them
+with the batch would break batch invariance (a sequence must get the same bits alone and inside any batch).
+`triton.autotune` only chooses num_stages, keyed on head dims, dtype (the autotuner adds argument dtypes to
+the key), causal/window and a coarse length-profile class of the batch (`jfa.tile_scheduler.profile_class`),
+and only with JFA_TRITON_AUTOTUNE=1: a choice that follows the length profile may compile a sequence's kernel
+differently alone than in a batch (the first H200 run of the premerge profile, tuned, failed batch invariance
+in the packed backward, while the untuned self-test passed its batch-invariance cases), and the pipelining
+depth is not promised to leave the arithmetic alone. By default the first listed stage count is used. Under
+TRITON_INTERPRET=1 small blocks are used (16/32: many block boundaries at test sizes) and nothing is tuned.
 
 Scheduling (`jfa.tile_scheduler`): JFA_TRITON_SCHEDULE = dynamic (default: atomic tile counter), static
 (zigzag) or grid (one program per tile); `set_schedule` overrides it in-process. Persistent grids are
@@ -224,7 +226,7 @@ _TUNED: dict = {}
 
 
 def _autotune_enabled() -> bool:
-    return not interpreting() and os.environ.get("JFA_TRITON_AUTOTUNE", "1") != "0"
+    return not interpreting() and os.environ.get("JFA_TRITON_AUTOTUNE", "0") == "1"
 
 
 def _launch(kernel, cfg: KernelConfig, grid: int, **kwargs) -> None:
