@@ -31,7 +31,7 @@ stage_premerge() {
   for b in $backends; do args+=(--jfa-backend "$b"); done
   local start=$SECONDS
   CUDA_VISIBLE_DEVICES=$devices timeout ${PREMERGE_TIMEOUT:-300} python3 -m pytest -n auto -q -p no:cacheprovider \
-    verify/ --jfa-profile premerge "${args[@]}" --jfa-results /tmp/jfa/$tag.jsonl > /tmp/jfa/$tag.log 2>&1
+    verify/ --jfa-profile premerge --jfa-workers-per-gpu ${WPG:-4} "${args[@]}" --jfa-results /tmp/jfa/$tag.jsonl > /tmp/jfa/$tag.log 2>&1
   echo "premerge $tag on $gpus GPU(s), backends $backends: exit $?, wall $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
   tail -n 60 /tmp/jfa/$tag.log
   gzip -c /tmp/jfa/$tag.jsonl > "$OUT/$tag.jsonl.gz" 2>/dev/null

@@ -50,7 +50,7 @@ def exact_masks(problem: Problem, ref: Reference, shapes: dict[str, tuple]) -> d
     return result
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=1)
 def case_context(case_id: str, device_type: str) -> CaseContext:
     case = case_from_id(case_id)
     device = torch.device(device_type)
