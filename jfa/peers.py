@@ -114,7 +114,10 @@ class Flex:
             i, j = q_idx - q_start[qs], kv_idx - kv_start[ks]
             return (qs == ks) & visible_torch(i, j, q_len[qs], kv_len[qs], window, causal)
 
-        block_mask = create_block_mask(document_mask, None, None, q.shape[0], k.shape[0], device=device)
+        # Compiled on CUDA: evaluated eagerly, the mask of a whole packed batch is materialised as [Tq, Tk]
+        # (490 GiB for the GEM-like benchmark row on the H200).
+        block_mask = create_block_mask(document_mask, None, None, q.shape[0], k.shape[0], device=device,
+                                       _compile=device.type == "cuda")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*without torch.compile.*")
             out, aux = self._kernel(device.type)(
