@@ -66,12 +66,13 @@ class Bf16Model:
     def unavailable(self, device: torch.device) -> str | None:
         return None
 
-    def batch_invariance_waiver(self, device: torch.device) -> str | None:
+    def invariance_waivers(self, device: torch.device) -> dict[str, str]:
         """The model promises bitwise batch and padding invariance on the CPU only: cuBLAS picks its kernels
         by matrix shape and pointer alignment, so on a GPU a sequence's bits depend on its bucket."""
         if device.type == "cuda":
-            return "bf16-model on CUDA: cuBLAS picks kernels by shape and alignment (a baseline, not a product kernel)"
-        return None
+            return {"batch": "bf16-model on CUDA: cuBLAS picks kernels by shape and alignment (a baseline, "
+                             "not a product kernel)"}
+        return {}
 
     def forward(self, q, k, v, problem: Problem):
         device, dtype = q.device, q.dtype
@@ -135,7 +136,13 @@ class Bf16Model:
                             (dv, _round(p, dtype).transpose(-1, -2) @ do),
                         ):
                             scatter_rows(target, kv_rows, kv_valid, reduce_groups(values, problem), True)
-                    scatter_rows(dq, bucket.q_rows[:, q0:q1], bucket.q_valid[:, q0:q1], acc_dq, True)
+                    q_rows, q_valid = bucket.q_rows[:, q0:q1], bucket.q_valid[:, q0:q1]
+                    if problem.broadcast_q:
+                        # Every sequence reads the same query rows: sum over them in a fixed order here
+                        # (index_add_ of repeated rows is atomic, so run-dependent, on CUDA).
+                        acc_dq = torch.where(q_valid[:, None, :, None], acc_dq, 0.0).sum(0, keepdim=True)
+                        q_rows, q_valid = q_rows[:1], q_valid[:1]
+                    scatter_rows(dq, q_rows, q_valid, acc_dq, True)
         scale = problem.sm_scale
         return (dq * scale).to(dtype), (dk * scale).to(dtype), dv.to(dtype)
 

@@ -37,12 +37,13 @@ def gating(spec: str) -> bool:
     return ":" in spec or getattr(backends.get(spec), "gating", True)
 
 
-def batch_invariance_waiver(spec: str, device: torch.device) -> str | None:
-    """Why a backend does not promise bitwise padding/batch invariance on this device (None: it does)."""
+def invariance_waivers(spec: str, device: torch.device) -> dict[str, str]:
+    """The invariant groups (verify.invariants.WAIVABLE) a backend does not promise on this device, each with
+    the reason; a backend named by module:function promises them all."""
     if ":" in spec:
-        return None
-    waiver = getattr(backends.get(spec), "batch_invariance_waiver", None)
-    return waiver(device) if waiver else None
+        return {}
+    waivers = getattr(backends.get(spec), "invariance_waivers", None)
+    return waivers(device) if waivers else {}
 
 
 def replay_command(spec: str, case_id: str) -> str:
@@ -59,9 +60,8 @@ def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list
                   config=kernel_config(spec, ctx.problem), replay=replay_command(spec, case_id))
     start = time.perf_counter()
     try:
-        waiver = batch_invariance_waiver(spec, device)
         if test == "invariants":
-            findings = check_all(fn, ctx, batch_invariant=waiver is None)
+            findings = check_all(fn, ctx, invariance_waivers(spec, device))
         else:
             inputs = ctx.inputs
             outputs = run(fn, inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout,
@@ -77,8 +77,8 @@ def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list
         return [record]
     duration = time.perf_counter() - start
     if test == "invariants":
-        return [dict(common, tensor=name, status="skip", message=f"not applicable: {waiver}", duration_s=duration)
-                if problems is None else
+        return [dict(common, tensor=name, status="skip", message=f"not applicable: {problems}", duration_s=duration)
+                if isinstance(problems, str) else
                 dict(common, tensor=name, status="fail" if problems else "pass", checks={name: not problems},
                      message="; ".join(problems) or None, duration_s=duration)
                 for name, problems in findings.items()]

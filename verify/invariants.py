@@ -110,31 +110,37 @@ def _unwritten(outputs: Outputs, ctx: CaseContext) -> list[str]:
     return found
 
 
-def check_all(fn, ctx: CaseContext, batch_invariant: bool = True) -> dict[str, list[str] | None]:
-    """Runs every invariant; returns {invariant: [problems]} (an empty list passes; None: not applicable,
-    for a backend that does not promise bitwise padding and batch invariance on this device)."""
+# Invariants a backend may declare not applicable on a device (`invariance_waivers`), by group.
+WAIVABLE = {"run_to_run": ("repeatable", "deterministic"), "batch": ("padding", "batch_permuted", "batch_alone")}
+
+
+def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None) -> dict[str, list[str] | str]:
+    """Runs every invariant; returns {invariant: [problems]} (an empty list passes), or {invariant: reason}
+    for the groups of WAIVABLE in `waived` (group -> why the backend does not promise them on this device)."""
+    waived = waived or {}
     inputs = ctx.inputs
     args = (inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout)
     before = [_storage_bytes(x) for x in (inputs.q, inputs.k, inputs.v, inputs.dout)]
     all_names = ("out", "lse", "dq", "dk", "dv")
-    findings: dict[str, list[str]] = {}
+    findings: dict[str, list[str] | str] = {name: waived[group] for group, names in WAIVABLE.items()
+                                            if group in waived for name in names}
 
     base = run(fn, *args, inputs.kwargs, backward=True)
-    # dq may use atomics unless deterministic=True; everything else must repeat bitwise regardless.
-    findings["repeatable"] = _differences(base, run(fn, *args, inputs.kwargs, backward=True),
-                                          ("out", "lse", "dk", "dv"))
+    if "run_to_run" not in waived:
+        # dq may use atomics unless deterministic=True; everything else must repeat bitwise regardless.
+        findings["repeatable"] = _differences(base, run(fn, *args, inputs.kwargs, backward=True),
+                                              ("out", "lse", "dk", "dv"))
     # Compared with the reference, not with `base`: torch-based backends may pick other (deterministic)
     # library kernels in this mode.
     with nan_filled_allocations():
         findings["written"] = _unwritten(run(fn, *args, inputs.kwargs, backward=True), ctx)
-    first = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
-    second = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
-    findings["deterministic"] = _differences(first, second, all_names)
-
-    if not batch_invariant:
-        # None: not applicable (the record says why); the remaining checks do not apply either.
-        findings.update(padding=None, batch_permuted=None, batch_alone=None)
+    if "run_to_run" not in waived:
+        first = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
+        second = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
+        findings["deterministic"] = _differences(first, second, all_names)
+    if "batch" in waived:
         return _with_inputs_check(findings, inputs, before)
+
     padded = inputs.with_nan_tail(7)
     padded_out = run(fn, padded.q, padded.k, padded.v, padded.q_offsets, padded.kv_offsets, padded.dout,
                      padded.kwargs, backward=True)
