@@ -46,6 +46,14 @@ def invariance_waivers(spec: str, device: torch.device) -> dict[str, str]:
     return waivers(device) if waivers else {}
 
 
+def verify_skip(spec: str, problem, device: torch.device) -> str | None:
+    """Why a backend asks the suite not to run this case on this device (its cost there), or None."""
+    if ":" in spec:
+        return None
+    skip = getattr(backends.get(spec), "verify_skip", None)
+    return skip(problem, device) if skip else None
+
+
 def replay_command(spec: str, case_id: str) -> str:
     return f"pytest verify/ --jfa-backend '{spec}' --jfa-case '{case_id}'"
 
@@ -58,6 +66,9 @@ def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list
     ctx = case_context(case_id, device.type)
     common = dict(kind="result", backend=spec, case=case_id, family=ctx.case.family, test=test,
                   config=kernel_config(spec, ctx.problem), replay=replay_command(spec, case_id))
+    too_costly = verify_skip(spec, ctx.problem, device)
+    if too_costly:
+        return [dict(common, tensor="*", status="skip", message=f"not run here: {too_costly}")]
     start = time.perf_counter()
     try:
         if test == "invariants":

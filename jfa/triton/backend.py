@@ -389,6 +389,14 @@ def _on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+# Cases the verify suite runs through the interpreter (CPU), in query-key pairs x query heads x head dim.
+# Measured on the ci profile (2-core CI machine): one forward+backward costs 5-40 s per 1e8 (per-program
+# overhead dominates small cases) and the invariants run about five of them. Every ci case is below 3e8 except
+# the D = 256 corpus batch of FAILURES.md (1.4e9: 206 s for its backward alone, ~17 minutes with its
+# invariants), which the H200 profiles run instead.
+INTERPRETER_WORK_LIMIT = 5e8
+
+
 class TritonBackend:
     name = "triton"
     description = "portable Triton kernels: persistent sorted/zigzag or dynamic tiles, packed tiny sequences"
@@ -405,6 +413,18 @@ class TritonBackend:
             return ("triton was imported before TRITON_INTERPRET=1 was set: set it before importing triton or "
                     "jfa to run the Triton kernels on the CPU")
         return None
+
+    def verify_skip(self, problem: Problem, device: torch.device) -> str | None:
+        """Why the verify suite should not run this case here: under the interpreter, a case beyond
+        INTERPRETER_WORK_LIMIT; on a GPU, never."""
+        if torch.device(device).type != "cpu":
+            return None
+        work = int((problem.q_lens * problem.kv_lens).sum()) * problem.q_heads * max(problem.head_dim,
+                                                                                    problem.head_dim_v)
+        if work <= INTERPRETER_WORK_LIMIT:
+            return None
+        return (f"{work:.2e} query-key pairs x heads x head dim is beyond the interpreter's "
+                f"{INTERPRETER_WORK_LIMIT:.0e} per case; GPU profiles run it")
 
     def invariance_waivers(self, device: torch.device) -> dict[str, str]:
         """Under the interpreter, repeated runs cannot differ by scheduling: it runs the programs one after
