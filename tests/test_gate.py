@@ -60,12 +60,13 @@ def test_committed_baseline_is_a_ci_run_one_entry_per_line():
     text = BASELINE.read_text()
     baseline = json.loads(text)
     assert baseline["device_class"] == "cpu-interpreter"
-    assert {b: e["profile"] for b, e in baseline["environments"].items()} == {"bf16-model": "ci", "emulator": "ci"}
+    assert {b: e["profile"] for b, e in baseline["environments"].items()} == {
+        "bf16-model": "ci", "emulator": "ci", "triton": "ci"}
     keys = list(baseline["entries"])
     assert keys == sorted(keys)
     entry_lines = [line for line in text.splitlines() if line.startswith('    "') and "|" in line.split(":")[0]]
     assert len(entry_lines) == len(keys)  # one line each: a changed statistic is a one-line diff
-    for backend in ("bf16-model", "emulator"):
+    for backend in ("bf16-model", "emulator", "triton"):
         cases = {key.split("|")[1] for key in keys if key.startswith(backend + "|")}
         assert cases == set(profile_case_ids("ci")), backend
 
