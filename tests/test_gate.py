@@ -205,10 +205,10 @@ def test_usage_errors_exit_2(tmp_path, monkeypatch):
     code, output = run_gate("--results", two, "--compare-as", "emulator")
     assert code == 2 and "needs a run of one backend" in output
     h200 = write_results(tmp_path / "h200.jsonl", "emulator", ["uniform:0"], ("forward",), "nvidia-h200")
+    monkeypatch.setattr(gate, "BASELINES", tmp_path)  # a device class without a baseline file yet
     code, output = run_gate("--results", h200)
     assert code == 2 and "no baseline" in output and "nvidia-h200.json" in output
     # A baseline stored under the wrong name: its device class differs from the run's.
-    monkeypatch.setattr(gate, "BASELINES", tmp_path)
     (tmp_path / "nvidia-h200.json").write_text(BASELINE.read_text())
     code, output = run_gate("--results", h200)
     assert code == 2 and "differs from the baseline's 'cpu-interpreter'" in output
