@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU work of a session on the lent H200 machine(s), in stages, each writing under $OUT:
 #   bash scripts/gpu_session.sh STAGE [STAGE ...]
-# Stages: env, triton-selftest, tlx-selftest, premerge (--gpus N, --backends "a b"), bench, sanitizer, repeat,
-# gate-update. The machine has no package registry: run from the carried tree (PYTHONPATH) and carry
+# Stages: env, triton-selftest, tlx-selftest, premerge:GPUS:BACKENDS:TAG, bench, sanitizer, repeat.
+# The machine has no package registry: run from the carried tree (PYTHONPATH) and carry
 # fbtriton in .carry for the tlx stages (../shared/device/README.md).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
