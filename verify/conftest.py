@@ -102,8 +102,9 @@ def pytest_generate_tests(metafunc):
                                        marks=pytest.mark.skip(reason=f"{spec} unavailable: {reason}")))
     # Case-major order: xdist's load scheduling hands out consecutive tests together, so a case's tests
     # mostly meet its cached reference on one worker. (--dist loadgroup would guarantee it, but xdist
-    # cannot replace a crashed worker under loadgroup: pytest-xdist#1189.)
-    for case_id in session.case_ids:
+    # cannot replace a crashed worker under loadgroup: pytest-xdist#1189.) Largest cases first (longest
+    # processing time first): a big case collected last would keep one worker busy while the others idle.
+    for case_id in sorted(session.case_ids, key=lambda case_id: -case_from_id(case_id).work):
         for spec in available:
             for test in TESTS:
                 params.append(pytest.param((spec, case_id, test), id=f"{spec}|{case_id}|{test}"))
