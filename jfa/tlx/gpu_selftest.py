@@ -24,12 +24,12 @@ import functools
 import json
 import math
 import os
-import queue
-import subprocess
 import sys
 import threading
 import time
 import traceback
+
+from jfa.selftest_workers import run_workers
 
 MAX_BOUND_RATIO = 2.0
 
@@ -386,36 +386,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     cmd = [sys.executable, "-m", "jfa.tlx.gpu_selftest", "--hang-after", str(args.hang_after)]
     cmd += [a for c in (args.case or []) for a in ("--case", c)]
-    procs = [subprocess.Popen(cmd + ["--worker", f"{i}/{args.jobs}"], stdout=subprocess.PIPE, text=True)
-             for i in range(args.jobs)]
-    lines: queue.Queue = queue.Queue()
-
-    def pump(proc):
-        for raw in proc.stdout:
-            lines.put(raw)
-        proc.wait()
-        lines.put(proc)
-
-    for proc in procs:
-        threading.Thread(target=pump, args=(proc,), daemon=True).start()
-    passed = failed = 0
-    running = len(procs)
-    while running:
-        item = lines.get()
-        if isinstance(item, subprocess.Popen):
-            running -= 1
-            if item.returncode not in (0, 1, 3):
-                failed += 1
-                print(f"FAIL a worker exited with {item.returncode}", flush=True)
-            continue
-        try:
-            record = json.loads(item)
-        except json.JSONDecodeError:
-            print(item.rstrip(), flush=True)
-            continue
-        print(record["line"], flush=True)
-        passed += record["ok"]
-        failed += not record["ok"]
+    passed, failed = run_workers(cmd, args.jobs, expected_exit=(0, 1, 3))  # 3: a hang, already reported
     verdict = "PASS" if failed == 0 and passed else "FAIL"
     print(f"{verdict}: {passed} passed, {failed} failed in {time.perf_counter() - start:.0f}s", flush=True)
     if not args.no_bench:

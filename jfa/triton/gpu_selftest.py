@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from jfa.selftest_workers import run_workers
+
 MAX_BOUND_RATIO = 2.0  # the CPU tests' threshold (tests/test_triton_backend.py says why)
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
@@ -555,39 +557,7 @@ def main(argv=None) -> int:
     cmd = [sys.executable, "-m", "jfa.triton.gpu_selftest"]
     cmd += [a for c in (args.case or []) for a in ("--case", c)] + ["--device", args.device]
     cmd += ["--small"] if args.small else []
-    import queue
-    import threading
-
-    lines: queue.Queue = queue.Queue()
-    procs = [subprocess.Popen(cmd + ["--worker", f"{i}/{args.jobs}"], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ)) for i in range(args.jobs)]
-
-    def pump(proc):
-        for raw in proc.stdout:
-            lines.put(raw)
-        proc.wait()
-        lines.put(proc)
-
-    for proc in procs:
-        threading.Thread(target=pump, args=(proc,), daemon=True).start()
-    passed = failed = 0
-    running = len(procs)
-    while running:
-        item = lines.get()
-        if isinstance(item, subprocess.Popen):
-            running -= 1
-            if item.returncode not in (0, 1):
-                failed += 1
-                print(f"FAIL a worker exited with {item.returncode}", flush=True)
-            continue
-        try:
-            record = json.loads(item)
-        except json.JSONDecodeError:
-            print(item.rstrip(), flush=True)
-            continue
-        print(record["line"], flush=True)
-        passed += record["ok"]
-        failed += not record["ok"]
+    passed, failed = run_workers(cmd, args.jobs)
     total = time.perf_counter() - start
     verdict = "PASS" if failed == 0 and passed > 0 else "FAIL"
     print(f"{verdict}: {passed} passed, {failed} failed in {total:.0f}s")
