@@ -24,33 +24,33 @@ def backend_fn(spec: str):
     return backends.attention_fn(spec)
 
 
+def _registered(spec: str, attribute: str):
+    """An optional attribute of a registered backend; None for a backend named by module:function, which
+    declares nothing (it is gated, promises every invariant and runs every case)."""
+    return None if ":" in spec else getattr(backends.get(spec), attribute, None)
+
+
 def kernel_config(spec: str, problem) -> dict | None:
     """The kernel configuration a registered backend reports for this problem, if it reports one."""
-    if ":" in spec:
-        return None
-    describe = getattr(backends.get(spec), "config", None)
+    describe = _registered(spec, "config")
     return describe(problem) if describe else None
 
 
 def gating(spec: str) -> bool:
     """Whether the backend's failures fail the run: peers are measured for comparison, not gated."""
-    return ":" in spec or getattr(backends.get(spec), "gating", True)
+    return _registered(spec, "gating") is not False
 
 
 def invariance_waivers(spec: str, device: torch.device) -> dict[str, str]:
     """The invariant groups (verify.invariants.WAIVABLE) a backend does not promise on this device, each with
-    the reason; a backend named by module:function promises them all."""
-    if ":" in spec:
-        return {}
-    waivers = getattr(backends.get(spec), "invariance_waivers", None)
+    the reason."""
+    waivers = _registered(spec, "invariance_waivers")
     return waivers(device) if waivers else {}
 
 
 def verify_skip(spec: str, problem, device: torch.device) -> str | None:
     """Why a backend asks the suite not to run this case on this device (its cost there), or None."""
-    if ":" in spec:
-        return None
-    skip = getattr(backends.get(spec), "verify_skip", None)
+    skip = _registered(spec, "verify_skip")
     return skip(problem, device) if skip else None
 
 
