@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from jfa.validation import validate
@@ -32,3 +34,14 @@ def problem_of(q, k, v, q_off, kv_off, **kwargs):
                     broadcast_q=False, deterministic=False)
     defaults.update(kwargs)
     return validate(q, k, v, q_off, kv_off, **defaults)
+
+
+def interpreter_unavailable() -> str | None:
+    """Why the Triton kernels cannot run under the interpreter in this process, or None."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return "TRITON_INTERPRET is not 1 (triton was imported before this module could set it)"
+    from jfa.triton import backend
+
+    if not backend.interpreted_consistently():
+        return "triton was imported before TRITON_INTERPRET=1 was set in this process"
+    return None

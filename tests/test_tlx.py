@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from jfa import tile_scheduler as ts  # noqa: E402
-from tests.helpers import jagged_inputs, problem_of  # noqa: E402
+from tests.helpers import interpreter_unavailable, jagged_inputs, problem_of  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACK = 64  # the Triton backend's packed tile at D <= 128 on the GPU
@@ -227,21 +227,11 @@ def test_fill_and_none_paths_launch_nothing():
     assert out.shape == (0, 4, 128) and lse.shape == row_max.shape == row_sum.shape == (4, 0)
 
 
-def _interpreter_reason() -> str | None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return "TRITON_INTERPRET is not 1 (triton was imported before this module could set it)"
-    from jfa.triton import backend
-
-    if not backend.interpreted_consistently():
-        return "triton was imported before TRITON_INTERPRET=1 was set in this process"
-    return None
-
-
 @pytest.mark.parametrize("broadcast_q", [False, True])
 def test_tiny_sub_batch_matches_triton_bitwise(broadcast_q):
     """The tiny sequences of a mixed batch, gathered into a sub-batch, get exactly the Triton forward's bits
     for the whole batch; the other rows are left to the TLX kernel (untouched here)."""
-    reason = _interpreter_reason()
+    reason = interpreter_unavailable()
     if reason:
         pytest.skip(reason)
     from jfa.tlx import backend

@@ -33,20 +33,9 @@ import jfa  # noqa: E402
 from jfa.block_info import kv_block_range, kv_block_range_np, q_block_range, q_block_range_np  # noqa: E402
 from jfa.mask import visible_torch  # noqa: E402
 from reference.exact import reference  # noqa: E402
-from tests.helpers import offsets, problem_of  # noqa: E402
+from tests.helpers import interpreter_unavailable, offsets, problem_of  # noqa: E402
 
-
-def _interpreter_ready() -> str | None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return "TRITON_INTERPRET is not 1 (triton was imported before this module could set it)"
-    from jfa.triton import backend
-
-    if not backend.interpreted_consistently():
-        return "triton was imported before TRITON_INTERPRET=1 was set in this process"
-    return None
-
-
-SKIP_REASON = _interpreter_ready()
+SKIP_REASON = interpreter_unavailable()
 needs_interpreter = pytest.mark.skipif(SKIP_REASON is not None, reason=f"{SKIP_REASON}; see test_in_subprocess")
 
 # The bound of reference.exact is first-order in u (the input dtype's unit roundoff) and models the
