@@ -9,9 +9,6 @@ from jfa.problem import Problem
 from verify.context import CaseContext
 from verify.runner import Outputs, nan_filled_allocations, run
 
-# Sequences re-run alone per case: the longest, the median and the first and last with queries (the median
-# catches arithmetic that depends on the batch's max length, which the longest alone does not change).
-
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bit patterns (so NaN == NaN and -0.0 != 0.0)."""
@@ -42,16 +39,13 @@ def sub_batch(ctx: CaseContext, order: list[int]):
         out_parts.append(torch.arange(int(problem.out_offsets_host[b]), int(problem.out_offsets_host[b + 1])))
         kv_parts.append(torch.arange(int(problem.kv_offsets_host[b]), int(problem.kv_offsets_host[b + 1])))
 
-    def cat(parts):
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-
     def offsets(parts):
         lengths = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
         return torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
 
     device = inputs.q.device
-    out_rows, kv_rows = cat(out_parts).to(device), cat(kv_parts).to(device)
-    q = inputs.q if problem.broadcast_q else inputs.q[cat(q_parts).to(device)]
+    out_rows, kv_rows = _cat_rows(out_parts).to(device), _cat_rows(kv_parts).to(device)
+    q = inputs.q if problem.broadcast_q else inputs.q[_cat_rows(q_parts).to(device)]
     k, v = inputs.k[kv_rows], inputs.v[kv_rows]
     dout = inputs.dout[out_rows]
     q_off = None if problem.broadcast_q else offsets(q_parts).to(device)
@@ -59,35 +53,44 @@ def sub_batch(ctx: CaseContext, order: list[int]):
     return (q, k, v, q_off, kv_off, dout), out_parts, kv_parts
 
 
-def _sequence_rows(order, parts_old, offsets_new) -> list[tuple[int, torch.Tensor, slice]]:
-    return [(b, old, slice(int(offsets_new[i]), int(offsets_new[i + 1]))) for i, (b, old) in
-            enumerate(zip(order, parts_old, strict=True))]
-
-
 def compare_sub_batch(ctx: CaseContext, whole: Outputs, part: Outputs, order, out_parts, kv_parts) -> list[str]:
-    """Bitwise comparison of each sequence's rows in `part` (a re-run on a sub-batch) with `whole`."""
-    problem: Problem = ctx.problem
+    """Bitwise comparison of each sequence's rows in `part` (a re-run on a sub-batch) with `whole`; per
+    tensor, the first sequence (in `order`) that differs is named.
+
+    One gather and one comparison per tensor: a per-sequence loop costs a few device synchronisations per
+    sequence, which on cases with thousands of sequences made this the slowest check of a premerge run."""
+    per_tensor = {"out": (out_parts, 0), "lse": (out_parts, 1), "dk": (kv_parts, 0), "dv": (kv_parts, 0)}
+    if not ctx.problem.broadcast_q:
+        per_tensor["dq"] = (out_parts, 0)  # q rows and out rows coincide without broadcast
     problems = []
-    new_out = [0]
-    new_kv = [0]
-    for old in out_parts:
-        new_out.append(new_out[-1] + old.numel())
-    for old in kv_parts:
-        new_kv.append(new_kv[-1] + old.numel())
-    per_tensor = {"out": (out_parts, new_out, 0), "lse": (out_parts, new_out, 1), "dk": (kv_parts, new_kv, 0),
-                  "dv": (kv_parts, new_kv, 0)}
-    if not problem.broadcast_q:
-        per_tensor["dq"] = (out_parts, new_out, 0)  # q rows and out rows coincide without broadcast
-    for name, (parts, new_offsets, axis) in per_tensor.items():
-        a_all, b_all = getattr(whole, name), getattr(part, name)
-        for b, old, new in _sequence_rows(order, parts, new_offsets):
-            old_rows = old.to(a_all.device)
-            a = a_all.index_select(axis, old_rows)
-            c = b_all.narrow(axis, new.start, new.stop - new.start)
-            if not bitwise_equal(a, c):
-                problems.append(f"{name} of sequence {b}: {first_difference(a, c)}")
-                break
+    for name, (parts, axis) in per_tensor.items():
+        whole_t, part_t = getattr(whole, name), getattr(part, name)
+        old_rows = _cat_rows(parts).to(whole_t.device)
+        expected = whole_t.index_select(axis, old_rows)
+        if bitwise_equal(expected, part_t):
+            continue
+        if expected.shape != part_t.shape or expected.dtype != part_t.dtype:
+            problems.append(f"{name}: {tuple(part_t.shape)} {part_t.dtype} on the sub-batch, "
+                            f"{tuple(expected.shape)} {expected.dtype} expected")
+            continue
+        row = int(_differing_rows(expected, part_t, axis)[0])
+        lengths = torch.tensor([p.numel() for p in parts])
+        i = int(torch.searchsorted(lengths.cumsum(0), row, right=True))
+        start = int(lengths[:i].sum())
+        a, c = (t.narrow(axis, start, int(lengths[i])) for t in (expected, part_t))
+        problems.append(f"{name} of sequence {order[i]}: {first_difference(a, c)}")
     return problems
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def _differing_rows(a: torch.Tensor, b: torch.Tensor, axis: int) -> torch.Tensor:
+    """Indices along `axis` where the bit patterns of a and b differ."""
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    differ = a.contiguous().view(as_int) != b.contiguous().view(as_int)
+    return torch.nonzero(differ.movedim(axis, 0).flatten(1).any(1)).flatten()
 
 
 def _storage_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -168,6 +171,9 @@ def _with_inputs_check(findings: dict, inputs, before) -> dict:
 
 
 def _alone_samples(problem: Problem) -> list[int]:
+    """The sequences re-run alone per case: the longest, the median and the first and last with queries
+    (the median catches arithmetic that depends on the batch's max length, which the longest alone does not
+    change)."""
     with_rows = torch.nonzero(problem.q_lens > 0).flatten().tolist()
     if not with_rows:
         return []

@@ -1,0 +1,37 @@
+"""verify.invariants on its own: the batch-invariance comparison locates what differs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from jfa.backends import attention_fn
+from verify.context import case_context
+from verify.invariants import compare_sub_batch, sub_batch
+from verify.runner import run
+
+
+@pytest.mark.parametrize("case_id", ["empty_middle:0", "power_law:1", "broadcast_q:0"])
+def test_sub_batch_comparison_names_the_changed_sequence(case_id):
+    """The batch invariants compare a sub-batch re-run with the whole batch in one gather per tensor; a
+    single changed element must be reported against the sequence it belongs to, and nothing else."""
+    ctx = case_context(case_id, "cpu")
+    model, _ = attention_fn("bf16-model")
+    inputs = ctx.inputs
+    whole = run(model, inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout,
+                inputs.kwargs, backward=True)
+    order = torch.randperm(ctx.problem.batch, generator=torch.Generator().manual_seed(0)).tolist()
+    sub_args, out_parts, kv_parts = sub_batch(ctx, order)
+    part = run(model, *sub_args, {**inputs.kwargs, "max_q_len": None, "max_kv_len": None}, backward=True)
+    assert compare_sub_batch(ctx, whole, part, order, out_parts, kv_parts) == []
+
+    with_keys = [i for i, rows in enumerate(kv_parts) if rows.numel()]
+    position = with_keys[len(with_keys) // 2]
+    row = sum(rows.numel() for rows in kv_parts[:position]) + kv_parts[position].numel() - 1
+    part.dv[row, -1, -1] = torch.nextafter(part.dv[row, -1, -1], torch.tensor(math.inf, dtype=part.dv.dtype))
+    assert compare_sub_batch(ctx, whole, part, order, out_parts, kv_parts) == [
+        f"dv of sequence {order[position]}: 1 elements differ, first at ({kv_parts[position].numel() - 1}, "
+        f"{part.dv.shape[1] - 1}, {part.dv.shape[2] - 1}): {float(whole.dv[kv_parts[position][-1], -1, -1])!r} vs "
+        f"{float(part.dv[row, -1, -1])!r}"]
