@@ -75,10 +75,79 @@ class TorchVarlen:
         return out, lse.float()
 
 
+FLEX_BLOCK = 128  # FlexAttention's default sparse block (rows and columns of one BlockMask entry)
+
+
+def _intervals_to_indices(first: torch.Tensor, count: torch.Tensor, width: int,
+                          skip_first: torch.Tensor | None = None, skip_count: torch.Tensor | None = None):
+    """Per row r, the block indices first[r] .. first[r] + count[r] - 1, less skip_count[r] of them from
+    skip_first[r] on, packed to the left of an int32 [rows, width] table (BlockMask's kv_indices layout)."""
+    n = torch.arange(width, device=first.device)
+    index = first[:, None] + n[None, :]
+    if skip_first is not None:
+        skipped = n[None, :] >= (skip_first - first)[:, None]
+        index = torch.where(skipped, index + skip_count[:, None], index)
+        count = count - skip_count
+    return count.to(torch.int32), torch.where(n[None, :] < count[:, None], index, 0).to(torch.int32)
+
+
+def jagged_block_mask(problem: Problem, mask_mod, device: torch.device):
+    """FlexAttention's BlockMask for the packed jagged batch, built from the offsets.
+
+    `create_block_mask` evaluates mask_mod on every (query, key) pair of the packed batch: eagerly that is a
+    [Tq, Tk] tensor (490 GiB for the GEM-like benchmark row), compiled it is a compilation per batch shape
+    that the suite's thousands of shapes cannot afford. The block structure of a jagged batch follows from
+    its offsets: each query row sees a contiguous key range, so each row block of FLEX_BLOCK queries sees
+    the key blocks between the first and the last key its rows see (partial blocks, mask_mod applied), and
+    a key block that every row of a one-sequence row block sees entirely is full (mask_mod skipped).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    block = FLEX_BLOCK
+    q_rows, kv_rows = problem.out_rows, problem.kv_rows
+    q_blocks, kv_blocks = -(-q_rows // block), -(-kv_rows // block)
+    sequences = torch.arange(problem.batch, device=device)
+    q_lens, kv_lens = problem.q_lens.to(device).long(), problem.kv_lens.to(device).long()
+    seq = torch.repeat_interleave(sequences, q_lens)
+    i = torch.arange(q_rows, device=device) - problem.out_offsets.long()[seq]
+    kv_start, kv_len, q_len = problem.kv_offsets.long()[seq], kv_lens[seq], q_lens[seq]
+    lo, hi = torch.zeros_like(i), kv_len - 1
+    if problem.window is not None:
+        lo, hi = torch.maximum(lo, i - problem.window), torch.minimum(hi, i + problem.window)
+    if problem.causal:
+        hi = torch.minimum(hi, i + kv_len - q_len)
+    sees = lo <= hi
+    lo, hi = kv_start + lo, kv_start + hi  # packed key rows
+    row_block = torch.arange(q_rows, device=device) // block
+
+    def per_row_block(values, reduce, empty):
+        out = torch.full((q_blocks,), empty, dtype=torch.long, device=device)
+        return out.scatter_reduce(0, row_block[sees], values[sees], reduce, include_self=False)
+
+    first = per_row_block(lo // block, "amin", 0)
+    last = per_row_block(hi // block, "amax", -1)
+    count = (last - first + 1).clamp(min=0)
+    # Full key blocks: a complete row block inside one sequence, every row seeing the whole key block.
+    rows_seeing = torch.zeros(q_blocks, dtype=torch.long, device=device).index_add_(0, row_block, sees.long())
+    one_sequence = per_row_block(seq, "amin", -1) == per_row_block(seq, "amax", -2)
+    complete = (rows_seeing == block) & one_sequence
+    common_lo, common_hi = per_row_block(lo, "amax", 0), per_row_block(hi, "amin", -1)
+    full_first = -(-common_lo // block)
+    full_last = (common_hi + 1) // block - 1  # a short last key block stays partial: mask_mod masks its padding
+    full_count = torch.where(complete, (full_last - full_first + 1).clamp(min=0), 0)
+    full_first = torch.where(full_count > 0, full_first, first)
+
+    kv_num, kv_index = _intervals_to_indices(first, count, max(kv_blocks, 1), full_first, full_count)
+    full_num, full_index = _intervals_to_indices(full_first, full_count, max(kv_blocks, 1))
+    return BlockMask.from_kv_blocks(
+        kv_num[None, None], kv_index[None, None], full_num[None, None], full_index[None, None],
+        BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(q_rows, kv_rows))
+
+
 class Flex:
     name = "flex"
     gating = False
-    description = "torch.nn.attention.flex_attention with a jagged document mask (compiled on CUDA)"
+    description = "torch.nn.attention.flex_attention, jagged batch as a document mask (compiled on CUDA)"
 
     def unavailable(self, device: torch.device) -> str | None:
         try:
@@ -92,21 +161,28 @@ class Flex:
     def _kernel(device_type: str):
         from torch.nn.attention.flex_attention import flex_attention
 
-        # Compiled with dynamic shapes so that the suite's many case shapes share compilations; eager on
-        # the CPU, where compiling would cost more than it saves on small cases.
-        return torch.compile(flex_attention, dynamic=True) if device_type == "cuda" else flex_attention
+        # Compiled as FlexAttention's documentation does it (automatic dynamic shapes after the first
+        # recompilation); eager on the CPU, where compiling would cost more than it saves on small cases.
+        return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
 
     def __call__(self, q, k, v, problem: Problem):
-        from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
+        from torch.nn.attention.flex_attention import AuxRequest
 
         device = q.device
         q = _jagged_queries(q, problem)
-        q_seq = torch.repeat_interleave(torch.arange(problem.batch), problem.q_lens).to(device)
-        kv_seq = torch.repeat_interleave(torch.arange(problem.batch), problem.kv_lens).to(device)
-        q_start = problem.out_offsets[:-1].long()
-        kv_start = problem.kv_offsets[:-1].long()
-        q_len = (problem.out_offsets[1:] - problem.out_offsets[:-1]).long()
-        kv_len = (problem.kv_offsets[1:] - problem.kv_offsets[:-1]).long()
+        # Per-sequence lookup tables padded with two sentinel sequences, so the mask_mod's lookups stay in
+        # bounds for the padding rows of the last block (a query sentinel never meets a key sentinel).
+        batch = problem.batch
+        sentinel_rows = lambda rows: -(-max(rows, 1) // FLEX_BLOCK) * FLEX_BLOCK - rows  # noqa: E731
+        q_seq = torch.cat([torch.repeat_interleave(torch.arange(batch), problem.q_lens),
+                           torch.full((sentinel_rows(q.shape[0]),), batch)]).to(device)
+        kv_seq = torch.cat([torch.repeat_interleave(torch.arange(batch), problem.kv_lens),
+                            torch.full((sentinel_rows(k.shape[0]),), batch + 1)]).to(device)
+        pad = torch.zeros(2, dtype=torch.long, device=device)
+        q_start = torch.cat([problem.out_offsets[:-1].long(), pad])
+        kv_start = torch.cat([problem.kv_offsets[:-1].long(), pad])
+        q_len = torch.cat([problem.q_lens.to(device).long(), pad])
+        kv_len = torch.cat([problem.kv_lens.to(device).long(), pad])
         window, causal = problem.window, problem.causal
 
         def document_mask(b, h, q_idx, kv_idx):
@@ -114,10 +190,7 @@ class Flex:
             i, j = q_idx - q_start[qs], kv_idx - kv_start[ks]
             return (qs == ks) & visible_torch(i, j, q_len[qs], kv_len[qs], window, causal)
 
-        # Compiled on CUDA: evaluated eagerly, the mask of a whole packed batch is materialised as [Tq, Tk]
-        # (490 GiB for the GEM-like benchmark row on the H200).
-        block_mask = create_block_mask(document_mask, None, None, q.shape[0], k.shape[0], device=device,
-                                       _compile=device.type == "cuda")
+        block_mask = jagged_block_mask(problem, document_mask, device)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*without torch.compile.*")
             out, aux = self._kernel(device.type)(
