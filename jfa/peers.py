@@ -91,8 +91,9 @@ def _intervals_to_indices(first: torch.Tensor, count: torch.Tensor, width: int,
     return count.to(torch.int32), torch.where(n[None, :] < count[:, None], index, 0).to(torch.int32)
 
 
-def jagged_block_mask(problem: Problem, mask_mod, device: torch.device):
-    """FlexAttention's BlockMask for the packed jagged batch, built from the offsets.
+def jagged_block_tables(problem: Problem, device: torch.device):
+    """FlexAttention's block tables (BlockMask.from_kv_blocks' kv_num_blocks, kv_indices,
+    full_kv_num_blocks, full_kv_indices) for the packed jagged batch, built from the offsets.
 
     `create_block_mask` evaluates mask_mod on every (query, key) pair of the packed batch: eagerly that is a
     [Tq, Tk] tensor (490 GiB for the GEM-like benchmark row), compiled it is a compilation per batch shape
@@ -101,13 +102,11 @@ def jagged_block_mask(problem: Problem, mask_mod, device: torch.device):
     the key blocks between the first and the last key its rows see (partial blocks, mask_mod applied), and
     a key block that every row of a one-sequence row block sees entirely is full (mask_mod skipped).
     """
-    from torch.nn.attention.flex_attention import BlockMask
-
     block = FLEX_BLOCK
     q_rows, kv_rows = problem.out_rows, problem.kv_rows
     q_blocks, kv_blocks = -(-q_rows // block), -(-kv_rows // block)
     sequences = torch.arange(problem.batch, device=device)
-    q_lens, kv_lens = problem.q_lens.to(device).long(), problem.kv_lens.to(device).long()
+    q_lens, kv_lens = problem.q_lens.to(device), problem.kv_lens.to(device)
     seq = torch.repeat_interleave(sequences, q_lens)
     i = torch.arange(q_rows, device=device) - problem.out_offsets.long()[seq]
     kv_start, kv_len, q_len = problem.kv_offsets.long()[seq], kv_lens[seq], q_lens[seq]
@@ -139,9 +138,27 @@ def jagged_block_mask(problem: Problem, mask_mod, device: torch.device):
 
     kv_num, kv_index = _intervals_to_indices(first, count, max(kv_blocks, 1), full_first, full_count)
     full_num, full_index = _intervals_to_indices(full_first, full_count, max(kv_blocks, 1))
-    return BlockMask.from_kv_blocks(
-        kv_num[None, None], kv_index[None, None], full_num[None, None], full_index[None, None],
-        BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(q_rows, kv_rows))
+    return tuple(t[None, None] for t in (kv_num, kv_index, full_num, full_index))
+
+
+def _flex_jagged(q, k, v, block_tables, lookups, *, seq_lengths, scale, enable_gqa, window, causal):
+    """flex_attention over the packed batch with the document mask. One function, compiled as a whole on
+    CUDA: the mask_mod is built inside from the lookup tensors it receives, so they are graph inputs (a
+    mask_mod closing over fresh tensors on every call is a new function to Dynamo each time)."""
+    from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+
+    q_seq, kv_seq, q_start, kv_start, q_len, kv_len = lookups
+
+    def document_mask(b, h, q_idx, kv_idx):
+        qs, ks = q_seq[q_idx], kv_seq[kv_idx]
+        i, j = q_idx - q_start[qs], kv_idx - kv_start[ks]
+        return (qs == ks) & visible_torch(i, j, q_len[qs], kv_len[qs], window, causal)
+
+    block_mask = BlockMask.from_kv_blocks(*block_tables, BLOCK_SIZE=FLEX_BLOCK, mask_mod=document_mask,
+                                          seq_lengths=seq_lengths)
+    out, aux = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                              return_aux=AuxRequest(lse=True))
+    return out, aux.lse
 
 
 class Flex:
@@ -159,46 +176,34 @@ class Flex:
     @staticmethod
     @functools.cache
     def _kernel(device_type: str):
-        from torch.nn.attention.flex_attention import flex_attention
-
         # Compiled as FlexAttention's documentation does it (automatic dynamic shapes after the first
         # recompilation); eager on the CPU, where compiling would cost more than it saves on small cases.
-        return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
+        return torch.compile(_flex_jagged) if device_type == "cuda" else _flex_jagged
 
     def __call__(self, q, k, v, problem: Problem):
-        from torch.nn.attention.flex_attention import AuxRequest
-
         device = q.device
         q = _jagged_queries(q, problem)
         # Per-sequence lookup tables padded with two sentinel sequences, so the mask_mod's lookups stay in
         # bounds for the padding rows of the last block (a query sentinel never meets a key sentinel).
         batch = problem.batch
-        sentinel_rows = lambda rows: -(-max(rows, 1) // FLEX_BLOCK) * FLEX_BLOCK - rows  # noqa: E731
-        q_seq = torch.cat([torch.repeat_interleave(torch.arange(batch), problem.q_lens),
-                           torch.full((sentinel_rows(q.shape[0]),), batch)]).to(device)
-        kv_seq = torch.cat([torch.repeat_interleave(torch.arange(batch), problem.kv_lens),
-                            torch.full((sentinel_rows(k.shape[0]),), batch + 1)]).to(device)
+
+        def sequence_of_rows(lengths, rows, sentinel):
+            padding = -(-max(rows, 1) // FLEX_BLOCK) * FLEX_BLOCK - rows
+            return torch.cat([torch.repeat_interleave(torch.arange(batch), lengths),
+                              torch.full((padding,), sentinel)]).to(device)
+
         pad = torch.zeros(2, dtype=torch.long, device=device)
-        q_start = torch.cat([problem.out_offsets[:-1].long(), pad])
-        kv_start = torch.cat([problem.kv_offsets[:-1].long(), pad])
-        q_len = torch.cat([problem.q_lens.to(device).long(), pad])
-        kv_len = torch.cat([problem.kv_lens.to(device).long(), pad])
-        window, causal = problem.window, problem.causal
-
-        def document_mask(b, h, q_idx, kv_idx):
-            qs, ks = q_seq[q_idx], kv_seq[kv_idx]
-            i, j = q_idx - q_start[qs], kv_idx - kv_start[ks]
-            return (qs == ks) & visible_torch(i, j, q_len[qs], kv_len[qs], window, causal)
-
-        block_mask = jagged_block_mask(problem, document_mask, device)
+        lookups = (sequence_of_rows(problem.q_lens, problem.out_rows, batch),
+                   sequence_of_rows(problem.kv_lens, problem.kv_rows, batch + 1),
+                   torch.cat([problem.out_offsets[:-1].long(), pad]), torch.cat([problem.kv_offsets[:-1].long(), pad]),
+                   torch.cat([problem.q_lens.to(device), pad]), torch.cat([problem.kv_lens.to(device), pad]))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*without torch.compile.*")
-            out, aux = self._kernel(device.type)(
-                *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)),
-                block_mask=block_mask, scale=problem.sm_scale, enable_gqa=problem.kv_heads != problem.q_heads,
-                return_aux=AuxRequest(lse=True),
-            )
-        return out.squeeze(0).transpose(0, 1), aux.lse.squeeze(0).float()
+            out, lse = self._kernel(device.type)(
+                *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), jagged_block_tables(problem, device),
+                lookups, seq_lengths=(problem.out_rows, problem.kv_rows), scale=problem.sm_scale,
+                enable_gqa=problem.kv_heads != problem.q_heads, window=problem.window, causal=problem.causal)
+        return out.squeeze(0).transpose(0, 1), lse.squeeze(0).float()
 
 
 TORCH_VARLEN = TorchVarlen()

@@ -7,7 +7,7 @@ import torch
 
 from fixtures import case_from_id, make_inputs
 from jfa.mask import visible_torch
-from jfa.peers import FLEX_BLOCK, jagged_block_mask
+from jfa.peers import FLEX_BLOCK, jagged_block_tables
 from verify.context import problem_of
 
 pytest.importorskip("torch.nn.attention.flex_attention")
@@ -42,7 +42,7 @@ def block_table(num: torch.Tensor, index: torch.Tensor, kv_blocks: int) -> torch
                                      "spec:q=5.700.0.300.520,kv=9.700.40.0.260,d=32,w=200"])
 def test_block_mask_covers_every_visible_pair_and_full_blocks_are_full(case_id):
     problem = problem_of(make_inputs(case_from_id(case_id), torch.device("cpu")))
-    block_mask = jagged_block_mask(problem, lambda b, h, q, k: q >= 0, torch.device("cpu"))
+    kv_num, kv_index, full_num, full_index = jagged_block_tables(problem, torch.device("cpu"))
     visible = dense_visibility(problem)
     q_blocks, kv_blocks = -(-problem.out_rows // FLEX_BLOCK), -(-problem.kv_rows // FLEX_BLOCK)
     padded = torch.zeros(q_blocks * FLEX_BLOCK, kv_blocks * FLEX_BLOCK, dtype=torch.bool)
@@ -50,8 +50,8 @@ def test_block_mask_covers_every_visible_pair_and_full_blocks_are_full(case_id):
     tiles = padded.view(q_blocks, FLEX_BLOCK, kv_blocks, FLEX_BLOCK)
     any_visible, all_visible = tiles.any(3).any(1), tiles.all(3).all(1)
 
-    partial = block_table(block_mask.kv_num_blocks, block_mask.kv_indices, kv_blocks)
-    full = block_table(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, kv_blocks)
+    partial = block_table(kv_num, kv_index, kv_blocks)
+    full = block_table(full_num, full_index, kv_blocks)
     assert not (partial & full).any(), "a block both partial and full"
     assert not (any_visible & ~(partial | full)).any(), "a block with visible pairs is missing"
     assert not (full & ~all_visible).any(), "a full block has pairs the rule hides (mask_mod would be skipped)"
