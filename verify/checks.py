@@ -63,9 +63,13 @@ def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list
     invariant: pass, fail, skip with the reason, or crash). Raises BackendCrash after recording a device
     fault, so the caller can replace the process."""
     fn, _ = backend_fn(spec)
+    start = time.perf_counter()
     ctx = case_context(case_id, device.type)
+    # context_s: building the case's inputs, reference and baseline, 0 when this process had them cached
+    # (how often workers rebuild a case shows how well the scheduler keeps a case on one worker).
     common = dict(kind="result", backend=spec, case=case_id, family=ctx.case.family, test=test,
-                  config=kernel_config(spec, ctx.problem), replay=replay_command(spec, case_id))
+                  config=kernel_config(spec, ctx.problem), replay=replay_command(spec, case_id),
+                  context_s=time.perf_counter() - start)
     too_costly = verify_skip(spec, ctx.problem, device)
     if too_costly:
         return [dict(common, tensor="*", status="skip", message=f"not run here: {too_costly}")]

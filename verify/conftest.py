@@ -77,6 +77,11 @@ def pytest_configure(config):
         # default of one thread per core in every worker oversubscribes them (smoke: 131 s against 11.5 s).
         workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    elif getattr(config.option, "maxschedchunk", "absent") is None:
+        # xdist's load scheduler otherwise hands each worker a first chunk of a quarter of its share, in
+        # collection order: with the largest cases collected first, one worker got the dozen largest cases
+        # and ended the run alone. A chunk of one case's tests deals the cases out one at a time.
+        config.option.maxschedchunk = len(TESTS) * len(config.getoption("jfa_backend") or DEFAULT_BACKENDS)
     global _SESSION
     config.jfa_session = _SESSION = Session(config)
 
