@@ -26,6 +26,11 @@ def visible(i, j, q_len, kv_len, window, HAS_WINDOW: tl.constexpr, CAUSAL: tl.co
     return ok
 
 
+# The rule's plain-Python body, bound once: torch.compile inlines a plain function (the flex peer's mask_mod
+# calls visible_torch inside a compiled graph) but cannot trace an attribute call on a triton.JITFunction.
+_visible_python = visible.fn
+
+
 def visible_torch(i, j, q_len, kv_len, window: int | None, causal: bool):
     """`visible` on torch tensors (or ints), with the contract's `window=None` meaning no window."""
-    return visible.fn(i, j, q_len, kv_len, 0 if window is None else window, window is not None, causal)
+    return _visible_python(i, j, q_len, kv_len, 0 if window is None else window, window is not None, causal)

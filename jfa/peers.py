@@ -177,8 +177,10 @@ class Flex:
     @functools.cache
     def _kernel(device_type: str):
         # Compiled as FlexAttention's documentation does it (automatic dynamic shapes after the first
-        # recompilation); eager on the CPU, where compiling would cost more than it saves on small cases.
-        return torch.compile(_flex_jagged) if device_type == "cuda" else _flex_jagged
+        # recompilation), as one graph: after a graph break flex_attention would run eagerly, materialising
+        # [B, H, Tq, Tk] scores (thousands of GiB on the benchmark rows). Eager on the CPU, where compiling
+        # would cost more than it saves on small cases.
+        return torch.compile(_flex_jagged, fullgraph=True) if device_type == "cuda" else _flex_jagged
 
     def __call__(self, q, k, v, problem: Problem):
         device = q.device
