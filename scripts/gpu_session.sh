@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU work of a session on the lent H200 machine(s), in stages, each writing under $OUT:
 #   bash scripts/gpu_session.sh STAGE [STAGE ...]
-# Stages: env, triton-selftest, tlx-selftest, premerge:GPUS:BACKENDS:TAG, bench, sanitizer, repeat.
+# Stages: env, triton-selftest, tlx-selftest, premerge:GPUS:BACKENDS:TAG, bench, sanitizer:TOOL:BACKEND, repeat.
 # The machine has no package registry: run from the carried tree (PYTHONPATH) and carry
-# fbtriton in .carry for the tlx stages (../shared/device/README.md).
+# fbtriton in .carry for the tlx stages (../shared/device/README.md); a stage naming the tlx backend, and
+# bench, run with fbtriton first on the path (it replaces triton, so the triton backend then runs on it too).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -13,6 +14,11 @@ FBT=/tmp/fbt
 with_fbtriton() {  # runs "$@" with fbtriton (Triton with TLX) first on the path
   [ -d $FBT ] || python3 -c "import tarfile; tarfile.open('.carry/fbtriton-cp312.tar.xz').extractall('$FBT')"
   PYTHONPATH=$FBT:$PWD "$@"
+}
+
+for_backends() {  # runs "$@" with fbtriton when the backends $1 include tlx
+  local backends=$1; shift
+  if [[ " $backends " == *" tlx "* ]]; then with_fbtriton "$@"; else "$@"; fi
 }
 
 stage_env() {
@@ -30,7 +36,7 @@ stage_premerge() {
   devices=$(seq -s, 0 $((gpus - 1)))
   for b in $backends; do args+=(--jfa-backend "$b"); done
   local start=$SECONDS
-  CUDA_VISIBLE_DEVICES=$devices timeout ${PREMERGE_TIMEOUT:-300} python3 -m pytest -n auto -q -p no:cacheprovider \
+  CUDA_VISIBLE_DEVICES=$devices for_backends "$backends" timeout ${PREMERGE_TIMEOUT:-300} python3 -m pytest -n auto -q -p no:cacheprovider \
     verify/ --jfa-profile premerge --jfa-workers-per-gpu ${WPG:-4} "${args[@]}" --jfa-results /tmp/jfa/$tag.jsonl > /tmp/jfa/$tag.log 2>&1
   echo "premerge $tag on $gpus GPU(s), backends $backends: exit $?, wall $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
   tail -n 60 /tmp/jfa/$tag.log
@@ -38,11 +44,14 @@ stage_premerge() {
   grep -E "^(FAILED|ERROR)|crashed|INTERNALERROR" /tmp/jfa/$tag.log | head -n 80 > "$OUT/$tag.failures.txt"
 }
 
-stage_bench() { timeout ${BENCH_TIMEOUT:-240} python3 -m jfa.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"; }
+stage_bench() { with_fbtriton timeout ${BENCH_TIMEOUT:-240} python3 -m jfa.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"; }
 
+# sanitizer TOOL BACKEND: compute-sanitizer's TOOL (memcheck, racecheck, ...) over the smoke profile.
 stage_sanitizer() {
-  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider verify/ \
-    --jfa-profile smoke --jfa-backend triton --jfa-results /tmp/jfa/sanitizer.jsonl 2>&1 | tail -n 40 | tee "$OUT/sanitizer.txt"
+  local tool=$1 backend=$2
+  for_backends "$backend" timeout ${SANITIZER_TIMEOUT:-240} compute-sanitizer --tool "$tool" --error-exitcode 9 \
+    python3 -m pytest -q -p no:cacheprovider verify/ --jfa-profile smoke --jfa-backend "$backend" \
+    --jfa-results /tmp/jfa/sanitizer.jsonl 2>&1 | tail -n 40 | tee "$OUT/sanitizer_${tool}_$backend.txt"
 }
 
 stage_repeat() { timeout 240 python3 -m verify.repeat --backend triton --runs 200 --deterministic 2>&1 | tee "$OUT/repeat.txt"; }
@@ -51,6 +60,7 @@ for stage in "$@"; do
   echo "=== $stage ($(date -u +%H:%M:%S))"
   case $stage in
     premerge:*) IFS=: read -r _ gpus backends tag <<< "$stage"; stage_premerge "$gpus" "${backends//,/ }" "$tag" ;;
+    sanitizer:*) IFS=: read -r _ tool backend <<< "$stage"; stage_sanitizer "$tool" "$backend" ;;
     *) "stage_${stage//-/_}" ;;
   esac
 done
