@@ -180,7 +180,17 @@ class Flex:
         # recompilation), as one graph: after a graph break flex_attention would run eagerly, materialising
         # [B, H, Tq, Tk] scores (thousands of GiB on the benchmark rows). Eager on the CPU, where compiling
         # would cost more than it saves on small cases.
-        return torch.compile(_flex_jagged, fullgraph=True) if device_type == "cuda" else _flex_jagged
+        if device_type != "cuda":
+            return _flex_jagged
+        compiled = torch.compile(_flex_jagged, fullgraph=True)
+
+        def call(*args, **kwargs):
+            # A compilation per head dims, dtype, mask kind, GQA and grad mode: the suite meets dozens, past
+            # torch.compile's default of 8 per function (the premerge run of 2026-11-29 hit that limit).
+            with torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096):
+                return compiled(*args, **kwargs)
+
+        return call
 
     def __call__(self, q, k, v, problem: Problem):
         device = q.device
