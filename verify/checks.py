@@ -100,10 +100,12 @@ def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list
     records = []
     for name in TESTS[test]:
         ref, bound, logit_bound = ctx.reference.tensors()[name]
+        start = time.perf_counter()
         stats = compare(name, getattr(outputs, name), ref, bound, logit_bound, ctx.exact[name],
                         ctx.row_offsets[name], ctx.problem.dtype, getattr(ctx.baseline, name),
                         head_dim=max(ctx.problem.head_dim, ctx.problem.head_dim_v))
-        records.append(dict(common, **tensor_record(stats), duration_s=duration))
+        records.append(dict(common, **tensor_record(stats), duration_s=duration,
+                            stats_s=time.perf_counter() - start))
     return records
 
 

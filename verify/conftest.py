@@ -8,6 +8,7 @@ per-worker JSON-lines results merged into one file, and the summary table at the
 from __future__ import annotations
 
 import os
+import time
 
 # Asking NVML (not the CUDA runtime) whether a GPU exists leaves CUDA uninitialised, so a worker can still
 # pin itself to one GPU through CUDA_VISIBLE_DEVICES in pytest_configure.
@@ -138,8 +139,10 @@ class Session:
             self.part.write(dict(kind="result", backend=backend, case=case_id, family=case_from_id(case_id).family,
                                  test=test, tensor="*", status="crash", message=str(crash)))
             pytest.fail(f"{backend} crashed on {case_id} [{test}]: {crash}", pytrace=False)
+        # Where and when, so that a run's timeline per worker can be rebuilt from its results (scaling).
+        placed = dict(worker=os.environ.get("PYTEST_XDIST_WORKER", "main"), finished_at=time.time())
         for record in records:
-            self.part.write(record)
+            self.part.write(dict(record, **placed))
         return records
 
 
