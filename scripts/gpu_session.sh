@@ -44,7 +44,14 @@ stage_premerge() {
   grep -E "^(FAILED|ERROR)|crashed|INTERNALERROR" /tmp/jfa/$tag.log | head -n 80 > "$OUT/$tag.failures.txt"
 }
 
-stage_bench() { with_fbtriton timeout ${BENCH_TIMEOUT:-240} python3 -m jfa.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"; }
+# bench: the jfa kernels with fbtriton first on the path (tlx needs it), then flex on stock triton (Inductor's
+# generated kernels do not load under fbtriton), each beside torch-varlen for its ratios.
+stage_bench() {
+  with_fbtriton timeout ${BENCH_TIMEOUT:-240} python3 -m jfa.bench --backends triton tlx torch-varlen ${BENCH_ARGS:-} \
+    --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
+  timeout ${BENCH_TIMEOUT:-240} python3 -m jfa.bench --backends torch-varlen flex ${BENCH_ARGS:-} \
+    --json "$OUT/bench_flex.json" 2>&1 | tee "$OUT/bench_flex.txt"
+}
 
 # sanitizer TOOL BACKEND: compute-sanitizer's TOOL (memcheck, racecheck, ...) over the smoke profile.
 stage_sanitizer() {
