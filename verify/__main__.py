@@ -1,5 +1,6 @@
-"""`python -m verify {gate,bisect,report}`: the pre-merge numerical gate, precision-regression bisection
-(for `git bisect run`) and the HTML report of one or more results files."""
+"""`python -m verify {gate,bisect,report,timeline}`: the pre-merge numerical gate, precision-regression
+bisection (for `git bisect run`), the HTML report of one or more results files, and where a run's wall time
+went per worker."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from verify import bisect, gate, report  # noqa: E402
+from verify import bisect, gate, report, timeline  # noqa: E402
 
 
 class Parser(argparse.ArgumentParser):
@@ -33,13 +34,14 @@ class Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     top = Parser(prog="python -m verify", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = top.add_subparsers(dest="command", required=True, metavar="{gate,bisect,report}",
+    commands = top.add_subparsers(dest="command", required=True, metavar="{gate,bisect,report,timeline}",
                                   parser_class=Parser)
     for name, module, error_status, summary in (
         ("gate", gate, 2, "compare a run with the stored baseline of its device (ratchet)"),
         # exit 2 would mark every commit bad under git bisect run; 128 aborts it
         ("bisect", bisect, bisect.ABORT, "judge one commit (or each kernel config) for git bisect run"),
         ("report", report, 2, "render results files as one self-contained HTML page"),
+        ("timeline", timeline, 2, "where a run's wall time went, per xdist worker"),
     ):
         sub = commands.add_parser(name, help=summary, description=module.__doc__, error_status=error_status,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,0 +1,41 @@
+"""verify.timeline: per-worker time accounting from a run's records."""
+
+from __future__ import annotations
+
+import pytest
+
+from verify.timeline import per_worker, table
+
+
+def record(worker, case, test, tensor, finished_at, duration_s, context_s, stats_s):
+    return dict(kind="result", backend="b", case=case, test=test, tensor=tensor, worker=worker,
+                finished_at=finished_at, duration_s=duration_s, context_s=context_s, stats_s=stats_s)
+
+
+def test_per_worker_counts_each_test_once_and_sums_its_tensors_statistics():
+    records = [
+        {"kind": "environment"},
+        # gw0: a forward with two tensors (statistics per tensor), then a cached-context backward
+        record("gw0", "a:0", "forward", "out", 110.0, 4.0, 5.0, 0.5),
+        record("gw0", "a:0", "forward", "lse", 110.0, 4.0, 5.0, 0.5),
+        record("gw0", "a:0", "backward", "dq", 120.0, 6.0, 0.0, 1.0),
+        record("gw1", "b:0", "invariants", "padding", 130.0, 20.0, 10.0, 0.0),
+        dict(kind="result", backend="b", case="c:0", test="forward", tensor="out"),  # an untimed record
+    ]
+    workers = per_worker(records)
+    assert set(workers) == {"gw0", "gw1"}
+    gw0, gw1 = workers["gw0"], workers["gw1"]
+    assert (gw0.tests, gw0.contexts, gw0.test_s, gw0.context_s, gw0.stats_s) == (2, 1, 10.0, 5.0, 2.0)
+    assert gw0.busy_s == pytest.approx(17.0) and gw0.last_finish == 120.0
+    assert (gw1.tests, gw1.contexts, gw1.busy_s) == (1, 1, 30.0)
+
+    # The run starts at the earliest test start: gw0's forward, 110 - 4 - 5 - 1 = 100.
+    rows = {line.split()[0]: line.split() for line in table(workers).splitlines()[2:4]}
+    assert rows["gw0"][-2:] == ["3.0", "20.0"]  # 20 s span, 17 s busy
+    assert rows["gw1"][-2:] == ["0.0", "30.0"]
+    assert "the last worker ends 10.0 s after the first" in table(workers)
+
+
+def test_untimed_results_say_so():
+    untimed = dict(kind="result", backend="b", case="a:0", test="forward", tensor="out", duration_s=1.0)
+    assert "no timed records" in table(per_worker([untimed]))

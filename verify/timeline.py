@@ -1,0 +1,88 @@
+"""Where a verify run's wall time went, per xdist worker, from the run's own results:
+
+    python -m verify timeline results.jsonl [more.jsonl ...]
+
+Each test's records carry `worker`, `finished_at` (epoch seconds), `duration_s` (the backend's calls),
+`context_s` (building the case's inputs, float64 reference and bf16 baseline; 0 when the worker had them
+cached) and `stats_s` (the statistics of each tensor). Per worker: its tests, the time in each of those
+parts, and what is left of its span (from the run's first test start to its own last finish) outside
+them: start-up, scheduling, result writing and idling. A run that scales badly shows either one worker
+finishing far after the others (imbalance) or a large unaccounted share on every worker (fixed cost).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from verify.results import read
+
+
+@dataclass
+class WorkerTime:
+    tests: int = 0
+    contexts: int = 0
+    test_s: float = 0.0
+    context_s: float = 0.0
+    stats_s: float = 0.0
+    starts: list[float] = field(default_factory=list)
+    last_finish: float = 0.0
+
+    @property
+    def busy_s(self) -> float:
+        return self.test_s + self.context_s + self.stats_s
+
+
+def per_worker(records: list[dict]) -> dict[str, WorkerTime]:
+    """Worker -> its time, one entry per (backend, case, test) that carries timing fields."""
+    tests: dict[tuple, dict] = {}
+    for r in records:
+        if r.get("kind") != "result" or "finished_at" not in r or "worker" not in r:
+            continue
+        key = (r["backend"], r["case"], r["test"], r["worker"])
+        entry = tests.setdefault(key, dict(worker=r["worker"], finished_at=r["finished_at"],
+                                           duration_s=r.get("duration_s") or 0.0,
+                                           context_s=r.get("context_s") or 0.0, stats_s=0.0))
+        entry["stats_s"] += r.get("stats_s") or 0.0
+    workers: dict[str, WorkerTime] = defaultdict(WorkerTime)
+    for t in tests.values():
+        w = workers[t["worker"]]
+        w.tests += 1
+        w.contexts += t["context_s"] > 0.05  # a cache hit costs microseconds
+        w.test_s += t["duration_s"]
+        w.context_s += t["context_s"]
+        w.stats_s += t["stats_s"]
+        w.starts.append(t["finished_at"] - t["duration_s"] - t["context_s"] - t["stats_s"])
+        w.last_finish = max(w.last_finish, t["finished_at"])
+    return dict(workers)
+
+
+def table(workers: dict[str, WorkerTime]) -> str:
+    if not workers:
+        return "no timed records (results written before the suite recorded worker and finished_at)"
+    start = min(min(w.starts) for w in workers.values())
+    end = max(w.last_finish for w in workers.values())
+    lines = [f"{'worker':8s} {'tests':>5s} {'contexts':>8s} {'tests s':>8s} {'context s':>9s} {'stats s':>8s} "
+             f"{'other s':>8s} {'ends at s':>9s}"]
+    lines.append("-" * len(lines[0]))
+    for name in sorted(workers, key=lambda n: (len(n), n)):
+        w = workers[name]
+        span = w.last_finish - start
+        lines.append(f"{name:8s} {w.tests:5d} {w.contexts:8d} {w.test_s:8.1f} {w.context_s:9.1f} {w.stats_s:8.1f} "
+                     f"{span - w.busy_s:8.1f} {span:9.1f}")
+    busy = sum(w.busy_s for w in workers.values())
+    lines.append(f"span of the tests {end - start:.1f} s over {len(workers)} workers; busy {busy:.1f} worker-s "
+                 f"({busy / len(workers):.1f} s each on average); the last worker ends "
+                 f"{end - min(w.last_finish for w in workers.values()):.1f} s after the first")
+    return "\n".join(lines)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("results", nargs="+", help="results files (JSON lines) of one run")
+
+
+def main(args) -> int:
+    records = [r for path in args.results for r in read(Path(path))]
+    print(table(per_worker(records)))
+    return 0
