@@ -45,3 +45,15 @@ def interpreter_unavailable() -> str | None:
     if not backend.interpreted_consistently():
         return "triton was imported before TRITON_INTERPRET=1 was set in this process"
     return None
+
+
+def counting_model(*args, **kwargs):
+    """The bf16 model as a backend named by module:function ("tests.helpers:counting_model"), counting its
+    calls in `counting_model.calls`."""
+    from jfa.backends import attention_fn
+
+    counting_model.calls += 1
+    return attention_fn("bf16-model")[0](*args, **kwargs)
+
+
+counting_model.calls = 0

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from jfa.backends import attention_fn
+from tests.helpers import counting_model
+from verify.checks import check_case
 from verify.context import case_context
 from verify.invariants import compare_sub_batch, sub_batch
 from verify.runner import run
@@ -35,3 +37,19 @@ def test_sub_batch_comparison_names_the_changed_sequence(case_id):
         f"dv of sequence {order[position]}: 1 elements differ, first at ({kv_parts[position].numel() - 1}, "
         f"{part.dv.shape[1] - 1}, {part.dv.shape[2] - 1}): {float(whole.dv[kv_parts[position][-1], -1, -1])!r} vs "
         f"{float(part.dv[row, -1, -1])!r}"]
+
+
+
+def test_invariants_reuse_the_backward_tests_run():
+    """The invariants' first run of the case's own call is the backward test's, when that ran in this
+    process: one call fewer, and the same verdicts."""
+    spec, case_id, cpu = "tests.helpers:counting_model", "empty_middle:1", torch.device("cpu")
+    case_context.cache_clear()
+    counting_model.calls = 0
+    alone = check_case(spec, case_id, "invariants", cpu)
+    calls_alone = counting_model.calls
+    check_case(spec, case_id, "backward", cpu)  # the same cached context
+    counting_model.calls = 0
+    after_backward = check_case(spec, case_id, "invariants", cpu)
+    assert counting_model.calls == calls_alone - 1 > 0
+    assert [(r["tensor"], r["status"]) for r in after_backward] == [(r["tensor"], r["status"]) for r in alone]

@@ -76,11 +76,13 @@ def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list
     start = time.perf_counter()
     try:
         if test == "invariants":
-            findings = check_all(fn, ctx, invariance_waivers(spec, device))
+            findings = check_all(fn, ctx, invariance_waivers(spec, device), ctx.backward_runs.get(spec))
         else:
             inputs = ctx.inputs
             outputs = run(fn, inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout,
                           inputs.kwargs, backward=test == "backward")
+            if test == "backward":
+                ctx.backward_runs[spec] = outputs
     except NotImplementedError as error:
         return [dict(common, tensor="*", status="skip", message=f"unsupported: {error}")]
     except Exception as error:  # a valid input must not raise; a device fault ends the process

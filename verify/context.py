@@ -5,7 +5,7 @@ outputs (the same-dtype baseline)."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,9 @@ class CaseContext:
     baseline: Outputs
     exact: dict[str, torch.Tensor]  # per tensor: where the contract fixes the value exactly
     row_offsets: dict[str, torch.Tensor]  # per tensor: host offsets splitting its rows into sequences
+    # Per backend, the outputs of its backward test (forward and backward of the case's own call), which the
+    # invariants reuse as their first run instead of repeating it.
+    backward_runs: dict[str, Outputs] = field(default_factory=dict)
 
 
 def problem_of(inputs: CaseInputs) -> Problem:

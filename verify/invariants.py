@@ -117,9 +117,13 @@ def _unwritten(outputs: Outputs, ctx: CaseContext) -> list[str]:
 WAIVABLE = {"run_to_run": ("repeatable", "deterministic"), "batch": ("padding", "batch_permuted", "batch_alone")}
 
 
-def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None) -> dict[str, list[str] | str]:
+def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
+              base: Outputs | None = None) -> dict[str, list[str] | str]:
     """Runs every invariant; returns {invariant: [problems]} (an empty list passes), or {invariant: reason}
-    for the groups of WAIVABLE in `waived` (group -> why the backend does not promise them on this device)."""
+    for the groups of WAIVABLE in `waived` (group -> why the backend does not promise them on this device).
+
+    `base`: an earlier run of the case's own call with backward (the backward test's), compared with the
+    runs made here; without it the first run is made here."""
     waived = waived or {}
     inputs = ctx.inputs
     args = (inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout)
@@ -128,7 +132,8 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None) -> dic
     findings: dict[str, list[str] | str] = {name: waived[group] for group, names in WAIVABLE.items()
                                             if group in waived for name in names}
 
-    base = run(fn, *args, inputs.kwargs, backward=True)
+    if base is None:
+        base = run(fn, *args, inputs.kwargs, backward=True)
     if "run_to_run" not in waived:
         # dq may use atomics unless deterministic=True; everything else must repeat bitwise regardless.
         findings["repeatable"] = _differences(base, run(fn, *args, inputs.kwargs, backward=True),
