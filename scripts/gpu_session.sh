@@ -40,6 +40,7 @@ stage_premerge() {
     verify/ --jfa-profile premerge --jfa-workers-per-gpu ${WPG:-4} "${args[@]}" --jfa-results /tmp/jfa/$tag.jsonl > /tmp/jfa/$tag.log 2>&1
   echo "premerge $tag on $gpus GPU(s), backends $backends: exit $?, wall $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
   tail -n 60 /tmp/jfa/$tag.log
+  python3 -m verify timeline /tmp/jfa/$tag.jsonl > "$OUT/$tag.timeline.txt" 2>&1
   gzip -c /tmp/jfa/$tag.jsonl > "$OUT/$tag.jsonl.gz" 2>/dev/null
   grep -E "^(FAILED|ERROR)|crashed|INTERNALERROR" /tmp/jfa/$tag.log | head -n 80 > "$OUT/$tag.failures.txt"
 }
