@@ -10,12 +10,16 @@ from verify.context import CaseContext
 from verify.runner import Outputs, nan_filled_allocations, run
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bit patterns as integers of its width."""
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bit patterns (so NaN == NaN and -0.0 != 0.0)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+    return torch.equal(_bits(a), _bits(b))
 
 
 def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -88,8 +92,7 @@ def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def _differing_rows(a: torch.Tensor, b: torch.Tensor, axis: int) -> torch.Tensor:
     """Indices along `axis` where the bit patterns of a and b differ."""
-    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    differ = a.contiguous().view(as_int) != b.contiguous().view(as_int)
+    differ = _bits(a) != _bits(b)
     return torch.nonzero(differ.movedim(axis, 0).flatten(1).any(1)).flatten()
 
 

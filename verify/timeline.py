@@ -13,7 +13,7 @@ finishing far after the others (imbalance) or a large unaccounted share on every
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from verify.results import read
@@ -26,7 +26,7 @@ class WorkerTime:
     test_s: float = 0.0
     context_s: float = 0.0
     stats_s: float = 0.0
-    starts: list[float] = field(default_factory=list)
+    first_start: float = float("inf")
     last_finish: float = 0.0
 
     @property
@@ -53,7 +53,7 @@ def per_worker(records: list[dict]) -> dict[str, WorkerTime]:
         w.test_s += t["duration_s"]
         w.context_s += t["context_s"]
         w.stats_s += t["stats_s"]
-        w.starts.append(t["finished_at"] - t["duration_s"] - t["context_s"] - t["stats_s"])
+        w.first_start = min(w.first_start, t["finished_at"] - t["duration_s"] - t["context_s"] - t["stats_s"])
         w.last_finish = max(w.last_finish, t["finished_at"])
     return dict(workers)
 
@@ -61,7 +61,7 @@ def per_worker(records: list[dict]) -> dict[str, WorkerTime]:
 def table(workers: dict[str, WorkerTime]) -> str:
     if not workers:
         return "no timed records (results written before the suite recorded worker and finished_at)"
-    start = min(min(w.starts) for w in workers.values())
+    start = min(w.first_start for w in workers.values())
     end = max(w.last_finish for w in workers.values())
     lines = [f"{'worker':8s} {'tests':>5s} {'contexts':>8s} {'tests s':>8s} {'context s':>9s} {'stats s':>8s} "
              f"{'other s':>8s} {'ends at s':>9s}"]
