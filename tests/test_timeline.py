@@ -7,18 +7,19 @@ import pytest
 from verify.timeline import per_worker, table
 
 
-def record(worker, case, test, tensor, finished_at, duration_s, context_s, stats_s):
+def record(worker, case, test, tensor, finished_at, duration_s, context_s, stats_s, **started):
     return dict(kind="result", backend="b", case=case, test=test, tensor=tensor, worker=worker,
-                finished_at=finished_at, duration_s=duration_s, context_s=context_s, stats_s=stats_s)
+                finished_at=finished_at, duration_s=duration_s, context_s=context_s, stats_s=stats_s, **started)
 
 
 def test_per_worker_counts_each_test_once_and_sums_its_tensors_statistics():
     records = [
         {"kind": "environment"},
         # gw0: a forward with two tensors (statistics per tensor), then a cached-context backward
-        record("gw0", "a:0", "forward", "out", 110.0, 4.0, 5.0, 0.5),
-        record("gw0", "a:0", "forward", "lse", 110.0, 4.0, 5.0, 0.5),
-        record("gw0", "a:0", "backward", "dq", 120.0, 6.0, 0.0, 1.0),
+        record("gw0", "a:0", "forward", "out", 110.0, 4.0, 5.0, 0.5, worker_started_at=95.0),
+        record("gw0", "a:0", "forward", "lse", 110.0, 4.0, 5.0, 0.5, worker_started_at=95.0),
+        record("gw0", "a:0", "backward", "dq", 120.0, 6.0, 0.0, 1.0, worker_started_at=95.0),
+        # gw1's records predate worker_started_at: no start-up is attributed to it
         record("gw1", "b:0", "invariants", "padding", 130.0, 20.0, 10.0, 0.0),
         dict(kind="result", backend="b", case="c:0", test="forward", tensor="out"),  # an untimed record
     ]
@@ -29,10 +30,11 @@ def test_per_worker_counts_each_test_once_and_sums_its_tensors_statistics():
     assert gw0.busy_s == pytest.approx(17.0) and gw0.last_finish == 120.0
     assert (gw1.tests, gw1.contexts, gw1.busy_s) == (1, 1, 30.0)
 
-    # The run starts at the earliest test start: gw0's forward, 110 - 4 - 5 - 1 = 100.
+    # The run starts at gw0's session start, 95; its first test starts at 110 - 4 - 5 - 1 = 100.
+    assert gw0.startup_s == pytest.approx(5.0) and gw1.startup_s == 0.0
     rows = {line.split()[0]: line.split() for line in table(workers).splitlines()[2:4]}
-    assert rows["gw0"][-2:] == ["3.0", "20.0"]  # 20 s span, 17 s busy
-    assert rows["gw1"][-2:] == ["0.0", "30.0"]
+    assert rows["gw0"][-3:] == ["5.0", "3.0", "25.0"]  # 25 s span: 5 s start-up, 17 s busy, 3 s other
+    assert rows["gw1"][-3:] == ["0.0", "5.0", "35.0"]  # first test starts at 100, 5 s after the run
     assert "the last worker ends 10.0 s after the first" in table(workers)
 
 

@@ -128,6 +128,7 @@ class Session:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         self.part = results.ResultsFile(self.results_path.with_name(self.results_path.name + f".{worker}.part"))
         self.crashed = False
+        self.started_at = time.time()
 
     def check(self, backend: str, case_id: str, test: str) -> list[dict]:
         try:
@@ -140,7 +141,8 @@ class Session:
                                  test=test, tensor="*", status="crash", message=str(crash)))
             pytest.fail(f"{backend} crashed on {case_id} [{test}]: {crash}", pytrace=False)
         # Where and when, so that a run's timeline per worker can be rebuilt from its results (scaling).
-        placed = dict(worker=os.environ.get("PYTEST_XDIST_WORKER", "main"), finished_at=time.time())
+        placed = dict(worker=os.environ.get("PYTEST_XDIST_WORKER", "main"), finished_at=time.time(),
+                      worker_started_at=self.started_at)
         for record in records:
             self.part.write(dict(record, **placed))
         return records

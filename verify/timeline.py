@@ -4,10 +4,12 @@
 
 Each test's records carry `worker`, `finished_at` (epoch seconds), `duration_s` (the backend's calls),
 `context_s` (building the case's inputs, float64 reference and bf16 baseline; 0 when the worker had them
-cached) and `stats_s` (the statistics of each tensor). Per worker: its tests, the time in each of those
-parts, and what is left of its span (from the run's first test start to its own last finish) outside
-them: start-up, scheduling, result writing and idling. A run that scales badly shows either one worker
-finishing far after the others (imbalance) or a large unaccounted share on every worker (fixed cost).
+cached), `stats_s` (the statistics of each tensor) and `worker_started_at` (when the worker's session
+began, after its imports). Per worker: its tests, the time in each of those parts, its start-up (from its
+session's start to its first test's start: collection, CUDA context) and what is left of its span (from
+the run's first worker start to its own last finish) outside them: scheduling, result writing, idling.
+A run that scales badly shows either one worker finishing far after the others (imbalance) or a large
+unaccounted share on every worker (fixed cost).
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ class WorkerTime:
     stats_s: float = 0.0
     first_start: float = float("inf")
     last_finish: float = 0.0
+    started_at: float = float("inf")
+
+    @property
+    def startup_s(self) -> float:
+        return self.first_start - self.started_at if self.started_at < float("inf") else 0.0
 
     @property
     def busy_s(self) -> float:
@@ -43,7 +50,8 @@ def per_worker(records: list[dict]) -> dict[str, WorkerTime]:
         key = (r["backend"], r["case"], r["test"], r["worker"])
         entry = tests.setdefault(key, dict(worker=r["worker"], finished_at=r["finished_at"],
                                            duration_s=r.get("duration_s") or 0.0,
-                                           context_s=r.get("context_s") or 0.0, stats_s=0.0))
+                                           context_s=r.get("context_s") or 0.0, stats_s=0.0,
+                                           started_at=r.get("worker_started_at", float("inf"))))
         entry["stats_s"] += r.get("stats_s") or 0.0
     workers: dict[str, WorkerTime] = defaultdict(WorkerTime)
     for t in tests.values():
@@ -55,22 +63,23 @@ def per_worker(records: list[dict]) -> dict[str, WorkerTime]:
         w.stats_s += t["stats_s"]
         w.first_start = min(w.first_start, t["finished_at"] - t["duration_s"] - t["context_s"] - t["stats_s"])
         w.last_finish = max(w.last_finish, t["finished_at"])
+        w.started_at = min(w.started_at, t["started_at"])
     return dict(workers)
 
 
 def table(workers: dict[str, WorkerTime]) -> str:
     if not workers:
         return "no timed records (results written before the suite recorded worker and finished_at)"
-    start = min(w.first_start for w in workers.values())
+    start = min(min(w.first_start, w.started_at) for w in workers.values())
     end = max(w.last_finish for w in workers.values())
     lines = [f"{'worker':8s} {'tests':>5s} {'contexts':>8s} {'tests s':>8s} {'context s':>9s} {'stats s':>8s} "
-             f"{'other s':>8s} {'ends at s':>9s}"]
+             f"{'start-up s':>10s} {'other s':>8s} {'ends at s':>9s}"]
     lines.append("-" * len(lines[0]))
     for name in sorted(workers, key=lambda n: (len(n), n)):
         w = workers[name]
         span = w.last_finish - start
         lines.append(f"{name:8s} {w.tests:5d} {w.contexts:8d} {w.test_s:8.1f} {w.context_s:9.1f} {w.stats_s:8.1f} "
-                     f"{span - w.busy_s:8.1f} {span:9.1f}")
+                     f"{w.startup_s:10.1f} {span - w.busy_s - w.startup_s:8.1f} {span:9.1f}")
     busy = sum(w.busy_s for w in workers.values())
     lines.append(f"span of the tests {end - start:.1f} s over {len(workers)} workers; busy {busy:.1f} worker-s "
                  f"({busy / len(workers):.1f} s each on average); the last worker ends "
