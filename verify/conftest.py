@@ -8,6 +8,7 @@ per-worker JSON-lines results merged into one file, and the summary table at the
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 # Asking NVML (not the CUDA runtime) whether a GPU exists leaves CUDA uninitialised, so a worker can still
@@ -70,6 +71,11 @@ def pytest_configure_node(node):
 
 
 def pytest_configure(config):
+    # Hypothesis's pytest plugin imports hypothesis in its terminal summary, at the end of every process that
+    # has not (a second or more in each xdist worker and in the controller, after the last test); the suite
+    # draws its cases without hypothesis.
+    if "hypothesis" not in sys.modules and config.pluginmanager.has_plugin("hypothesispytest"):
+        config.pluginmanager.unregister(name="hypothesispytest")
     if _is_worker(config):
         gpu = config.workerinput.get("jfa_gpu")
         if gpu is not None:

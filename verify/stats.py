@@ -29,7 +29,6 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-import scipy.stats
 import torch
 
 # Calibration (README "Calibration"): the bf16 model's worst bound ratio per family is 0.10-0.95 over the ci
@@ -117,13 +116,17 @@ def _segment_max(values: torch.Tensor, seg: torch.Tensor, n_seg: int) -> torch.T
 
 
 def _bias(err_signed: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, use: torch.Tensor):
+    # Imported here: scipy.stats takes a second to import, and an xdist controller, which starts the
+    # workers only after its own imports, never computes statistics.
+    from scipy.stats import ttest_1samp
+
     e = (err_signed[use] / bound[use]).cpu().numpy()
     if e.size < 2:
         return 0.0, 0.0, 1.0
     toward = e * np.sign(ref[use].cpu().numpy())
     p_values = []
     for sample in (e, toward):
-        p_values.append(1.0 if np.all(sample == sample[0]) else float(scipy.stats.ttest_1samp(sample, 0.0).pvalue))
+        p_values.append(1.0 if np.all(sample == sample[0]) else float(ttest_1samp(sample, 0.0).pvalue))
     return float(e.mean()), float(toward.mean()), min(p_values)
 
 
