@@ -31,17 +31,21 @@ stage_triton_selftest() { timeout 240 python3 -m jfa.triton.gpu_selftest --jobs 
 stage_tlx_selftest() { with_fbtriton timeout 300 python3 -m jfa.tlx.gpu_selftest 2>&1 | tee "$OUT/tlx_selftest.txt"; }
 
 # premerge GPUS "BACKENDS" TAG: the premerge profile on the first GPUS GPUs, 4 workers each; wall time recorded.
+# RESUME=1 continues the stage's run of the same TAG that a time limit stopped (pytest's --jfa-resume).
 stage_premerge() {
   local gpus=$1 backends=$2 tag=$3 devices args=()
   devices=$(seq -s, 0 $((gpus - 1)))
   for b in $backends; do args+=(--jfa-backend "$b"); done
+  if [ -n "${RESUME:-}" ]; then args+=(--jfa-resume); else : > /tmp/jfa/$tag.log; fi
   local start=$SECONDS
   CUDA_VISIBLE_DEVICES=$devices for_backends "$backends" timeout ${PREMERGE_TIMEOUT:-300} python3 -m pytest -n auto -q -p no:cacheprovider \
-    verify/ --jfa-profile premerge --jfa-workers-per-gpu ${WPG:-4} "${args[@]}" --jfa-results /tmp/jfa/$tag.jsonl > /tmp/jfa/$tag.log 2>&1
+    verify/ --jfa-profile premerge --jfa-workers-per-gpu ${WPG:-4} "${args[@]}" --jfa-results /tmp/jfa/$tag.jsonl >> /tmp/jfa/$tag.log 2>&1
   echo "premerge $tag on $gpus GPU(s), backends $backends: exit $?, wall $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
   tail -n 60 /tmp/jfa/$tag.log
-  python3 -m verify timeline /tmp/jfa/$tag.jsonl > "$OUT/$tag.timeline.txt" 2>&1
-  gzip -c /tmp/jfa/$tag.jsonl > "$OUT/$tag.jsonl.gz" 2>/dev/null
+  # A run stopped by its time limit has not merged its worker files: keep those.
+  local records=(/tmp/jfa/$tag.jsonl*)
+  python3 -m verify timeline "${records[@]}" > "$OUT/$tag.timeline.txt" 2>&1
+  cat "${records[@]}" | gzip > "$OUT/$tag.jsonl.gz"
   grep -E "^(FAILED|ERROR)|crashed|INTERNALERROR" /tmp/jfa/$tag.log | head -n 80 > "$OUT/$tag.failures.txt"
 }
 

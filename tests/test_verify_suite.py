@@ -80,3 +80,26 @@ def test_a_run_imports_neither_hypothesis_nor_scipy_stats_before_its_first_stati
                           capture_output=True, text=True, timeout=300)
     assert "::test_case[" in proc.stdout, proc.stdout + proc.stderr
     assert "imported: False False" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_resume_runs_only_the_tests_a_stopped_run_left_and_merges_both(tmp_path):
+    proc, first = run_suite(tmp_path, "--jfa-backend", "bf16-model", "--jfa-case", "uniform:0")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    # A run stopped before its merge: uniform:0's invariants unfinished, broadcast_q:0 not started, and the
+    # worker killed while writing a line.
+    results = tmp_path / "results.jsonl"
+    kept = [r for r in first[1:] if r["test"] != "invariants"]
+    part = results.with_name(results.name + ".gw1.part")
+    part.write_text("".join(json.dumps(r) + "\n" for r in kept) + '{"kind": "result", "back')
+    results.unlink()
+
+    proc, merged = run_suite(tmp_path, "--jfa-backend", "bf16-model", "--jfa-case", "uniform:0",
+                             "--jfa-case", "broadcast_q:0", "--jfa-resume")
+    assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout[-3000:]
+    assert merged[0]["kind"] == "environment" and not list(tmp_path.glob("results.jsonl.*"))
+    keys = [(r["case"], r["test"], r["tensor"]) for r in merged[1:]]
+    assert len(keys) == len(set(keys))
+    assert {(case, test) for case, test, _ in keys} == {
+        (case, test) for case in ("uniform:0", "broadcast_q:0") for test in ("forward", "backward", "invariants")}
+    carried = {(r["test"], r["tensor"]): r["finished_at"] for r in merged[1:] if r["case"] == "uniform:0"}
+    assert all(carried[(r["test"], r["tensor"])] == r["finished_at"] for r in kept)

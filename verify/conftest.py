@@ -46,6 +46,10 @@ def pytest_addoption(parser):
     group.addoption("--shard", default="0/1", metavar="i/n", help="run shard i of n of the case list")
     group.addoption("--jfa-results", default="jfa-results/results.jsonl", metavar="PATH",
                     help="merged JSON-lines results (default jfa-results/results.jsonl)")
+    group.addoption("--jfa-resume", action="store_true",
+                    help="continue a run that stopped before its end (a time limit, a lost machine) with the same "
+                         "arguments: keep the worker files beside --jfa-results and run only the tests without "
+                         "records in them; the merged results hold both runs'")
     group.addoption("--jfa-workers-per-gpu", type=int, default=4, metavar="K",
                     help="with -n auto on a GPU host: K xdist workers per GPU (default 4)")
 
@@ -103,6 +107,7 @@ def pytest_generate_tests(metafunc):
     if "jfa_combo" not in metafunc.fixturenames:
         return
     session = metafunc.config.jfa_session
+    finished = results.finished_tests(session.resumed) if metafunc.config.getoption("jfa_resume") else set()
     available, params = [], []
     for spec in metafunc.config.getoption("jfa_backend") or DEFAULT_BACKENDS:
         _, unavailable = backend_fn(spec)
@@ -119,7 +124,8 @@ def pytest_generate_tests(metafunc):
     for case_id in sorted(session.case_ids, key=lambda case_id: -case_from_id(case_id).work):
         for spec in available:
             for test in TESTS:
-                params.append(pytest.param((spec, case_id, test), id=f"{spec}|{case_id}|{test}"))
+                if (spec, case_id, test) not in finished:
+                    params.append(pytest.param((spec, case_id, test), id=f"{spec}|{case_id}|{test}"))
     metafunc.parametrize("jfa_combo", params)
 
 
@@ -133,6 +139,7 @@ class Session:
         self.results_path = Path(config.getoption("jfa_results"))
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         self.part = results.ResultsFile(self.results_path.with_name(self.results_path.name + f".{worker}.part"))
+        self.resumed = self.results_path.with_name(self.results_path.name + ".resumed.part")
         self.crashed = False
         self.started_at = time.time()
 
@@ -149,8 +156,7 @@ class Session:
         # Where and when, so that a run's timeline per worker can be rebuilt from its results (scaling).
         placed = dict(worker=os.environ.get("PYTEST_XDIST_WORKER", "main"), finished_at=time.time(),
                       worker_started_at=self.started_at)
-        for record in records:
-            self.part.write(dict(record, **placed))
+        self.part.write(*(dict(record, **placed) for record in records))
         return records
 
 
@@ -173,10 +179,14 @@ def pytest_runtest_logfinish(nodeid, location):
 
 
 def pytest_sessionstart(session):
+    # Before xdist starts the workers (its hook runs last), so that every worker collects the same tests.
     if not _is_worker(session.config):
         path = session.config.jfa_session.results_path
-        for stale in path.parent.glob(path.name + ".*.part"):
-            stale.unlink()
+        if session.config.getoption("jfa_resume"):
+            results.resume(path)
+        else:
+            for stale in results.parts_of(path):
+                stale.unlink()
 
 
 def pytest_runtest_logreport(report):
@@ -197,7 +207,7 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     session = config.jfa_session
     path = session.results_path
-    parts = sorted(path.parent.glob(path.name + ".*.part"))
+    parts = results.parts_of(path)
     if not parts:
         return
     header = dict(environment.collect(session.device.type), profile=config.getoption("jfa_profile"),

@@ -338,12 +338,12 @@ def read_run(path: Path, backends=()) -> list[dict]:
     error after a worker crash, a signal), the per-worker parts under this machine's environment."""
     if path.exists():
         return results.read(path)
-    parts = sorted(path.parent.glob(path.name + ".*.part"))
+    parts = results.parts_of(path)
     if not parts:
         return []
     device = "cuda" if torch.cuda.is_available() else "cpu"
     header = dict(kind="environment", **environment.collect(device), backends=list(backends) or None)
-    return [header, *(r for part in parts for r in results.read(part))]
+    return [header, *(r for part in parts for r in results.read_part(part))]
 
 
 # Running the suite -----------------------------------------------------------------------------------------

@@ -27,9 +27,11 @@ class ResultsFile:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def write(self, record: dict) -> None:
+    def write(self, *records: dict) -> None:
+        """Appends a test's records in one write, so that a worker killed mid-run (a crash, a time limit)
+        leaves whole tests behind, at worst with a torn last line (read_part)."""
         with self.path.open("a") as handle:
-            handle.write(dumps(record) + "\n")
+            handle.write("".join(dumps(record) + "\n" for record in records))
 
 
 def _clean(value):
@@ -59,12 +61,51 @@ def read(path: Path) -> list[dict]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
+def read_part(path: Path) -> list[dict]:
+    """A worker's records; its last line is torn when the worker was killed while writing it."""
+    lines = Path(path).read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines) - 1:
+                raise
+    return records
+
+
+def parts_of(path: Path) -> list[Path]:
+    """The worker files beside the merged results file `path` (path.gw0.part, ..., path.resumed.part)."""
+    return sorted(Path(path).parent.glob(Path(path).name + ".*.part"))
+
+
+def resume(path: Path) -> Path:
+    """Gathers the worker files that a stopped run left beside `path` into one, path.resumed.part: the new
+    run's workers read which tests it finished (finished_tests), and its merge includes it."""
+    parts = parts_of(path)
+    records = [record for part in parts for record in read_part(part)]
+    resumed = Path(path).with_name(Path(path).name + ".resumed.part")
+    staging = resumed.with_name(resumed.name + ".tmp")
+    staging.write_text("".join(dumps(record) + "\n" for record in records))
+    for part in parts:
+        part.unlink()
+    staging.rename(resumed)
+    return resumed
+
+
+def finished_tests(resumed: Path) -> set[tuple[str, str, str]]:
+    """(backend, case, test) of every test with records in a resumed run's file."""
+    if not Path(resumed).exists():
+        return set()
+    return {(r["backend"], r["case"], r["test"]) for r in read_part(resumed) if r.get("kind") == "result"}
+
+
 def merge(parts: list[Path], path: Path, header: dict) -> list[dict]:
     """Concatenates worker files (sorted, so the merged file is independent of worker timing) under one
     environment header, and removes the parts."""
     records = []
     for part in parts:
-        records.extend(read(part))
+        records.extend(read_part(part))
     records.sort(key=lambda r: (r.get("backend", ""), r.get("case", ""), r.get("test", ""), r.get("tensor", "")))
     with Path(path).open("w") as handle:
         handle.write(dumps(dict(kind="environment", **header)) + "\n")

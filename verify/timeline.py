@@ -18,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from verify.results import read
+from verify.results import read_part
 
 
 @dataclass
@@ -88,10 +88,11 @@ def table(workers: dict[str, WorkerTime]) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("results", nargs="+", help="results files (JSON lines) of one run")
+    parser.add_argument("results", nargs="+", help="results files (JSON lines) of one run, or the worker files "
+                        "(*.part) of a run stopped before it merged them")
 
 
 def main(args) -> int:
-    records = [r for path in args.results for r in read(Path(path))]
+    records = [r for path in args.results for r in read_part(Path(path))]
     print(table(per_worker(records)))
     return 0
