@@ -413,6 +413,18 @@ def test_block_ranges_match_host_twin():
 # Fallback: run this module in a fresh interpreter-enabled process.
 
 
+@needs_interpreter
+def test_interpreter_skips_overflow_arithmetic_that_it_would_discard():
+    """jfa's Triton backend turns off the interpreter's int32 overflow arithmetic, which only asserts with
+    debug on (jfa/triton/interpreter.py); a triton that changes either option shows up here."""
+    from triton.runtime import interpreter
+
+    import jfa.triton.backend  # noqa: F401  (installs the interpreter's fast paths)
+
+    options = interpreter.interpreter_builder.options
+    assert options.debug is False and options.sanitize_overflow is False, options
+
+
 @pytest.mark.skipif(SKIP_REASON is None, reason="the interpreter is active in this process; tests ran in-process")
 def test_in_subprocess():
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -50,9 +50,10 @@ def interpreting() -> bool:
 
 
 if interpreting():
-    from jfa.triton.interpreter import skip_nested_language_patching
+    from jfa.triton.interpreter import skip_nested_language_patching, skip_overflow_arithmetic
 
     skip_nested_language_patching()
+    skip_overflow_arithmetic()
 
 
 @dataclass(frozen=True)

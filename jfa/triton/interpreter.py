@@ -8,9 +8,18 @@ already, and a nested patch is never restored, so repeating it only costs time: 
 40% of the interpreter's time. `skip_nested_language_patching` skips a nested call's patching when every
 language module the helper sees was patched during this launch; anything else (a launch, a helper that sees
 a module not yet patched) goes through triton's own function as before.
+
+The interpreter also recomputes every int32 add, sub and mul in int64 and compares it with the int32 range
+(`sanitize_overflow`), a third of its time on the verify suite, and then discards the comparison: it only
+asserts with `debug=True`, and the interpreter's options are fixed at their defaults (debug off). So the
+check never fires here; `skip_overflow_arithmetic` turns the arithmetic off. (Sizes whose offsets could
+overflow int32, FAILURES.md's > 2^31-element tensors, are beyond the interpreter anyway; the GPU's
+nightly profile runs them.)
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 
 def skip_nested_language_patching() -> bool:
@@ -57,4 +66,17 @@ def skip_nested_language_patching() -> bool:
 
     patch_lang_once.jfa_nested_skip = True
     interpreter._patch_lang = patch_lang_once
+    return True
+
+
+def skip_overflow_arithmetic() -> bool:
+    """Turns the interpreter's int32 overflow arithmetic off; False (and nothing changed) when this triton
+    has no such option or runs its interpreter with debug on (where the check would assert)."""
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if not hasattr(options, "sanitize_overflow") or getattr(options, "debug", True):
+        return False
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
     return True
