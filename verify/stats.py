@@ -116,18 +116,28 @@ def _segment_max(values: torch.Tensor, seg: torch.Tensor, n_seg: int) -> torch.T
 
 
 def _bias(err_signed: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, use: torch.Tensor):
+    """The mean normalised signed error, raw and towards the reference's sign, and the smaller p-value of the
+    two one-sample t-tests against 0. scipy's ttest_1samp, but from float64 moments taken where the tensors
+    are: a backward of a premerge case has tens of millions of elements, and copying them to NumPy for scipy
+    was 45% of the H200 workers' time."""
     # Imported here: scipy.stats takes a second to import, and an xdist controller, which starts the
     # workers only after its own imports, never computes statistics.
-    from scipy.stats import ttest_1samp
+    from scipy.stats import t as student_t
 
-    e = (err_signed[use] / bound[use]).cpu().numpy()
-    if e.size < 2:
+    e = (err_signed[use] / bound[use]).double()
+    count = e.numel()
+    if count < 2:
         return 0.0, 0.0, 1.0
-    toward = e * np.sign(ref[use].cpu().numpy())
-    p_values = []
-    for sample in (e, toward):
-        p_values.append(1.0 if np.all(sample == sample[0]) else float(ttest_1samp(sample, 0.0).pvalue))
-    return float(e.mean()), float(toward.mean()), min(p_values)
+    means, p_values = [], []
+    for sample in (e, e * torch.sign(ref[use]).double()):
+        variance, mean = (float(x) for x in torch.var_mean(sample))
+        means.append(mean)
+        if bool((sample == sample[0]).all()):
+            p_values.append(1.0)
+        else:
+            t_statistic = mean / math.sqrt(variance / count) if variance > 0 else math.copysign(math.inf, mean)
+            p_values.append(float(2 * student_t.sf(abs(t_statistic), count - 1)))
+    return means[0], means[1], min(p_values)
 
 
 def compare(
