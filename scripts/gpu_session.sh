@@ -43,9 +43,12 @@ stage_premerge() {
   echo "premerge $tag on $gpus GPU(s), backends $backends: exit $?, wall $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
   tail -n 60 /tmp/jfa/$tag.log
   # A run stopped by its time limit has not merged its worker files: keep those.
-  local records=(/tmp/jfa/$tag.jsonl*)
-  python3 -m verify timeline "${records[@]}" > "$OUT/$tag.timeline.txt" 2>&1
-  cat "${records[@]}" | gzip > "$OUT/$tag.jsonl.gz"
+  local records
+  records=$(compgen -G "/tmp/jfa/$tag.jsonl*")
+  if [ -n "$records" ]; then
+    python3 -m verify timeline $records > "$OUT/$tag.timeline.txt" 2>&1
+    cat $records | gzip > "$OUT/$tag.jsonl.gz"
+  fi
   grep -E "^(FAILED|ERROR)|crashed|INTERNALERROR" /tmp/jfa/$tag.log | head -n 80 > "$OUT/$tag.failures.txt"
 }
 
