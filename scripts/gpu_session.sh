@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU work of a session on the lent H200 machine(s), in stages, each writing under $OUT:
 #   bash scripts/gpu_session.sh STAGE [STAGE ...]
-# Stages: env, triton-selftest, tlx-selftest, premerge:GPUS:BACKENDS:TAG, bench, sanitizer:TOOL:BACKEND, repeat.
+# Stages: env, triton-selftest, tlx-selftest, premerge:GPUS:BACKENDS:TAG, bench, sanitizer:TOOL:BACKEND[:i/n],
+# repeat.
 # The machine has no package registry: run from the carried tree (PYTHONPATH) and carry
 # fbtriton in .carry for the tlx stages (../shared/device/README.md); a stage naming the tlx backend, and
 # bench, run with fbtriton first on the path (it replaces triton, so the triton backend then runs on it too).
@@ -61,12 +62,13 @@ stage_bench() {
     --json "$OUT/bench_flex.json" 2>&1 | tee "$OUT/bench_flex.txt"
 }
 
-# sanitizer TOOL BACKEND: compute-sanitizer's TOOL (memcheck, racecheck, ...) over the smoke profile.
+# sanitizer TOOL BACKEND [SHARD]: compute-sanitizer's TOOL (memcheck, racecheck, ...) over the smoke profile, or
+# its shard i/n (racecheck slows TLX launches so much that the whole profile outlasts one device call).
 stage_sanitizer() {
-  local tool=$1 backend=$2
+  local tool=$1 backend=$2 shard=${3:-0/1}
   for_backends "$backend" timeout ${SANITIZER_TIMEOUT:-240} compute-sanitizer --tool "$tool" --error-exitcode 9 \
-    python3 -m pytest -q -p no:cacheprovider verify/ --jfa-profile smoke --jfa-backend "$backend" \
-    --jfa-results /tmp/jfa/sanitizer.jsonl 2>&1 | tail -n 40 | tee "$OUT/sanitizer_${tool}_$backend.txt"
+    python3 -m pytest -q -p no:cacheprovider verify/ --jfa-profile smoke --jfa-backend "$backend" --shard "$shard" \
+    --jfa-results /tmp/jfa/sanitizer.jsonl 2>&1 | tail -n 40 | tee "$OUT/sanitizer_${tool}_${backend}_${shard/\//of}.txt"
 }
 
 stage_repeat() { timeout 240 python3 -m verify.repeat --backend triton --runs 200 --deterministic 2>&1 | tee "$OUT/repeat.txt"; }
@@ -75,7 +77,7 @@ for stage in "$@"; do
   echo "=== $stage ($(date -u +%H:%M:%S))"
   case $stage in
     premerge:*) IFS=: read -r _ gpus backends tag <<< "$stage"; stage_premerge "$gpus" "${backends//,/ }" "$tag" ;;
-    sanitizer:*) IFS=: read -r _ tool backend <<< "$stage"; stage_sanitizer "$tool" "$backend" ;;
+    sanitizer:*) IFS=: read -r _ tool backend shard <<< "$stage"; stage_sanitizer "$tool" "$backend" "$shard" ;;
     *) "stage_${stage//-/_}" ;;
   esac
 done
