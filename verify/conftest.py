@@ -1,8 +1,10 @@
 """The verify suite's pytest plugin: options, case × backend parametrisation, one GPU per xdist worker,
-per-worker JSON-lines results merged into one file, and the summary table at the end.
+per-worker JSON-lines results merged into one file (or kept for --jfa-resume when a run stops before its
+end), and the summary table at the end.
 
     pytest -n auto verify/ [--jfa-profile smoke|ci|premerge|nightly] [--jfa-backend NAME ...]
                            [--jfa-case ID ...] [--shard i/n] [--jfa-results PATH]
+                           [--jfa-workers-per-gpu K] [--jfa-resume]
 """
 
 from __future__ import annotations
