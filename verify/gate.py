@@ -343,7 +343,7 @@ def read_run(path: Path, backends=()) -> list[dict]:
         return []
     device = "cuda" if torch.cuda.is_available() else "cpu"
     header = dict(kind="environment", **environment.collect(device), backends=list(backends) or None)
-    return [header, *(r for part in parts for r in results.read_part(part))]
+    return [header, *(r for part in parts for r in results.read(part))]
 
 
 # Running the suite -----------------------------------------------------------------------------------------

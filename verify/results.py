@@ -29,7 +29,7 @@ class ResultsFile:
 
     def write(self, *records: dict) -> None:
         """Appends a test's records in one write, so that a worker killed mid-run (a crash, a time limit)
-        leaves whole tests behind, at worst with a torn last line (read_part)."""
+        leaves whole tests behind, at worst with a torn last line (read)."""
         with self.path.open("a") as handle:
             handle.write("".join(dumps(record) + "\n" for record in records))
 
@@ -57,13 +57,9 @@ def number(value) -> float | None:
 
 
 def read(path: Path) -> list[dict]:
-    with Path(path).open() as handle:
-        return [json.loads(line) for line in handle if line.strip()]
-
-
-def read_part(path: Path) -> list[dict]:
-    """A worker's records; its last line is torn when the worker was killed while writing it."""
-    lines = Path(path).read_text().splitlines()
+    """A results file's records, or a worker's, whose last line is torn when the worker was killed while
+    writing it (that line is left out)."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
     records = []
     for number, line in enumerate(lines):
         try:
@@ -83,7 +79,7 @@ def resume(path: Path) -> Path:
     """Gathers the worker files that a stopped run left beside `path` into one, path.resumed.part: the new
     run's workers read which tests it finished (finished_tests), and its merge includes it."""
     parts = parts_of(path)
-    records = [record for part in parts for record in read_part(part)]
+    records = [record for part in parts for record in read(part)]
     resumed = Path(path).with_name(Path(path).name + ".resumed.part")
     staging = resumed.with_name(resumed.name + ".tmp")
     staging.write_text("".join(dumps(record) + "\n" for record in records))
@@ -97,7 +93,7 @@ def finished_tests(resumed: Path) -> set[tuple[str, str, str]]:
     """(backend, case, test) of every test with records in a resumed run's file."""
     if not Path(resumed).exists():
         return set()
-    return {(r["backend"], r["case"], r["test"]) for r in read_part(resumed) if r.get("kind") == "result"}
+    return {(r["backend"], r["case"], r["test"]) for r in read(resumed) if r.get("kind") == "result"}
 
 
 def merge(parts: list[Path], path: Path, header: dict) -> list[dict]:
@@ -105,7 +101,7 @@ def merge(parts: list[Path], path: Path, header: dict) -> list[dict]:
     environment header, and removes the parts."""
     records = []
     for part in parts:
-        records.extend(read_part(part))
+        records.extend(read(part))
     records.sort(key=lambda r: (r.get("backend", ""), r.get("case", ""), r.get("test", ""), r.get("tensor", "")))
     with Path(path).open("w") as handle:
         handle.write(dumps(dict(kind="environment", **header)) + "\n")

@@ -18,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from verify.results import read_part
+from verify.results import read
 
 
 @dataclass
@@ -93,6 +93,6 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    records = [r for path in args.results for r in read_part(Path(path))]
+    records = [r for path in args.results for r in read(Path(path))]
     print(table(per_worker(records)))
     return 0
