@@ -39,7 +39,6 @@ def test_sub_batch_comparison_names_the_changed_sequence(case_id):
         f"{float(part.dv[row, -1, -1])!r}"]
 
 
-
 def test_invariants_reuse_the_backward_tests_run():
     """The invariants' first run of the case's own call is the backward test's, when that ran in this
     process: one call fewer, and the same verdicts."""

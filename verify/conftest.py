@@ -141,7 +141,7 @@ class Session:
         self.results_path = Path(config.getoption("jfa_results"))
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         self.part = results.ResultsFile(self.results_path.with_name(self.results_path.name + f".{worker}.part"))
-        self.resumed = self.results_path.with_name(self.results_path.name + ".resumed.part")
+        self.resumed = results.resumed_of(self.results_path)
         self.crashed = False
         self.started_at = time.time()
 

@@ -75,12 +75,17 @@ def parts_of(path: Path) -> list[Path]:
     return sorted(Path(path).parent.glob(Path(path).name + ".*.part"))
 
 
+def resumed_of(path: Path) -> Path:
+    """The file beside the merged results file `path` that holds a stopped run's records (resume)."""
+    return Path(path).with_name(Path(path).name + ".resumed.part")
+
+
 def resume(path: Path) -> Path:
-    """Gathers the worker files that a stopped run left beside `path` into one, path.resumed.part: the new
+    """Gathers the worker files that a stopped run left beside `path` into one, resumed_of(path): the new
     run's workers read which tests it finished (finished_tests), and its merge includes it."""
     parts = parts_of(path)
     records = [record for part in parts for record in read(part)]
-    resumed = Path(path).with_name(Path(path).name + ".resumed.part")
+    resumed = resumed_of(path)
     staging = resumed.with_name(resumed.name + ".tmp")
     staging.write_text("".join(dumps(record) + "\n" for record in records))
     for part in parts:
