@@ -47,3 +47,48 @@ def test_shards_partition_exactly(count):
 def test_bad_shard_is_rejected(text):
     with pytest.raises(ValueError, match="--shard"):
         devices.parse_shard(text)
+
+
+class FakeNvml:
+    """The libnvidia-ml calls that verify.devices makes, with chosen return codes."""
+
+    def __init__(self, count: int, init_status: int = 0, count_status: int = 0, driver: bytes = b"580.159.04"):
+        self.count, self.init_status, self.count_status, self.driver = count, init_status, count_status, driver
+        self.initialised = 0
+
+    def nvmlInit_v2(self):
+        self.initialised += 1
+        return self.init_status
+
+    def nvmlDeviceGetCount_v2(self, count_ref):
+        count_ref._obj.value = self.count
+        return self.count_status
+
+    def nvmlSystemGetDriverVersion(self, buffer, length):
+        buffer.value = self.driver
+        return 0
+
+
+@pytest.fixture
+def fresh_nvml():
+    devices._nvml.cache_clear()
+    yield
+    devices._nvml.cache_clear()
+
+
+def test_nvml_without_a_driver(monkeypatch, fresh_nvml):
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(devices.ctypes, "CDLL", missing)
+    assert devices.nvml_gpu_count() == 0 and devices.nvml_driver_version() is None
+
+
+@pytest.mark.parametrize("nvml,count,driver", [
+    (FakeNvml(2), 2, "580.159.04"), (FakeNvml(8, driver=b"575.1"), 8, "575.1"),
+    (FakeNvml(3, init_status=9), 0, None), (FakeNvml(3, count_status=999), 0, "580.159.04")])
+def test_nvml_count_and_driver(monkeypatch, fresh_nvml, nvml, count, driver):
+    monkeypatch.setattr(devices.ctypes, "CDLL", lambda name: nvml)
+    assert devices.nvml_gpu_count() == count
+    assert devices.nvml_driver_version() == driver
+    assert nvml.initialised == 1  # once per process, and left initialised

@@ -3,8 +3,38 @@ with simulated device lists."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import re
+
+
+@functools.cache
+def _nvml(library: str = "libnvidia-ml.so.1"):
+    """The NVIDIA driver's management library, initialised once per process (and left so, as torch leaves
+    it), or None without a driver."""
+    try:
+        nvml = ctypes.CDLL(library)
+    except OSError:
+        return None
+    return nvml if nvml.nvmlInit_v2() == 0 else None
+
+
+def nvml_gpu_count() -> int:
+    """How many GPUs the NVIDIA driver reports, 0 without a driver: asked through NVML, as torch does under
+    PYTORCH_NVML_BASED_CUDA_CHECK, so that the xdist controller needs neither torch (seconds to import,
+    before any worker starts) nor a CUDA context."""
+    nvml, count = _nvml(), ctypes.c_uint(0)
+    return count.value if nvml is not None and nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0 else 0
+
+
+def nvml_driver_version() -> str | None:
+    """The NVIDIA driver's version ("580.159.04"), None without a driver: what `nvidia-smi` prints, without
+    starting it (a fraction of a second in each worker)."""
+    nvml, version = _nvml(), ctypes.create_string_buffer(96)
+    if nvml is None or nvml.nvmlSystemGetDriverVersion(version, ctypes.c_uint(len(version))) != 0:
+        return None
+    return version.value.decode()
 
 
 def visible_devices(environ=os.environ, device_count: int | None = None) -> list[str]:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from verify import devices
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -16,15 +18,6 @@ def _git(*args: str) -> str | None:
     try:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10,
                               check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _driver() -> str | None:
-    try:
-        lines = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                               capture_output=True, text=True, timeout=20, check=True).stdout.split()
-        return lines[0] if lines else None
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -52,5 +45,5 @@ def collect(device_type: str) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(gpu=props.name, capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
-                   cuda=torch.version.cuda, driver=_driver())
+                   cuda=torch.version.cuda, driver=devices.nvml_driver_version())
     return env
