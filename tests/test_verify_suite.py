@@ -82,6 +82,27 @@ def test_a_run_imports_neither_hypothesis_nor_scipy_stats_before_its_first_stati
     assert "imported: False False" in proc.stdout, proc.stdout[-2000:]
 
 
+def test_the_xdist_controller_imports_no_torch(tmp_path):
+    """The controller starts the workers only after its own imports, and exits only after its own
+    teardown: torch (and with it triton and the kernels) would add seconds to both ends of every run. The
+    workers run the tests; the controller still merges their results and prints the summary."""
+    results = tmp_path / "results.jsonl"
+    script = ("import sys, pytest; code = pytest.main(['-n', '1', '-q', '-p', 'no:cacheprovider', 'verify/', "
+              f"'--jfa-case', 'uniform:0', '--jfa-backend', 'bf16-model', '--jfa-results', {str(results)!r}]); "
+              "print('exit', int(code), 'controller imported:', sorted(m for m in ('torch', 'triton', 'jfa', "
+              "'numpy') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=300)
+    assert "exit 0 controller imported: []" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "jfa verify summary" in proc.stdout
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    header = records[0]
+    assert header["kind"] == "environment" and header["device_class"] and header["torch"]  # written by the worker
+    assert header["profile"] == "smoke" and header["backends"] == ["bf16-model"]
+    assert {r["test"] for r in records[1:]} == {"forward", "backward", "invariants"}
+    assert all(r["kind"] == "result" for r in records[1:])
+
+
 def test_resume_runs_only_the_tests_a_stopped_run_left_and_merges_both(tmp_path):
     proc, first = run_suite(tmp_path, "--jfa-backend", "bf16-model", "--jfa-case", "uniform:0")
     assert proc.returncode == 0, proc.stdout[-3000:]

@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-# As verify/conftest.py: NVML answers whether a GPU exists without initialising CUDA, and on a CPU the Triton
+# As verify/session.py: NVML answers whether a GPU exists without initialising CUDA, and on a CPU the Triton
 # interpreter must be chosen before anything imports triton (jfa.mask does), for `bisect --config`, which
 # runs kernels in this process.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")

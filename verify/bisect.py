@@ -243,7 +243,7 @@ def run_config(args) -> Verdict:
                 try:
                     records += check_case(spec, case, test, device)
                 except BackendCrash as crash:  # the device is unusable now: stop with what we have
-                    records.append(dict(kind="result", backend=spec, case=case, family=case.split(":")[0],
+                    records.append(dict(kind="result", backend=spec, case=case, family=results.family_of(case),
                                         test=test, tensor="*", status="crash", message=str(crash)))
                     break
     if args.results_out:

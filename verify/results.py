@@ -1,5 +1,5 @@
-"""Result records: JSON lines, one file per xdist worker, merged at the end of the session; and the
-summary table (backend × family)."""
+"""Result records: JSON lines, one file per process that runs tests (each xdist worker), merged at the end of
+the session; and the summary table (backend × family). Imports no torch: the xdist controller merges."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import math
 from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from verify.stats import TensorStats
+if TYPE_CHECKING:
+    from verify.stats import TensorStats
 
 
 def tensor_record(stats: TensorStats) -> dict:
@@ -18,6 +20,26 @@ def tensor_record(stats: TensorStats) -> dict:
                 checks=record.pop("checks"), worst=record.pop("worst"),
                 worst_baseline_block=record.pop("worst_baseline_block"),
                 per_sequence=record.pop("per_sequence"), stats=record)
+
+
+def family_of(case_id: str) -> str:
+    """The family of a case id ("family:index", or "spec:..." whose family is spec), read from the id alone:
+    for records written where the case cannot be built (a crashed process, the xdist controller)."""
+    return case_id.split(":", 1)[0]
+
+
+def combo_of(nodeid: str) -> tuple[str, str, str] | None:
+    """(backend, case id, test) of a verify test's node id "...::test_case[BACKEND|CASE|TEST]", None for
+    another test or an unavailable backend's placeholder ("...[BACKEND|unavailable]")."""
+    if not nodeid.endswith("]") or "[" not in nodeid:
+        return None
+    backend, *case_parts, test = nodeid.split("[", 1)[1][:-1].split("|")
+    return (backend, "|".join(case_parts), test) if case_parts else None
+
+
+def part_path(path: Path, process: str) -> Path:
+    """The file of one process ("gw0", ..., "main") beside the merged results file `path`."""
+    return Path(path).with_name(Path(path).name + f".{process}.part")
 
 
 class ResultsFile:
@@ -101,15 +123,19 @@ def finished_tests(resumed: Path) -> set[tuple[str, str, str]]:
     return {(r["backend"], r["case"], r["test"]) for r in read(resumed) if r.get("kind") == "result"}
 
 
-def merge(parts: list[Path], path: Path, header: dict) -> list[dict]:
+def merge(parts: list[Path], path: Path, run: dict) -> list[dict]:
     """Concatenates worker files (sorted, so the merged file is independent of worker timing) under one
-    environment header, and removes the parts."""
-    records = []
+    environment header: the first environment record in the parts (each process that runs tests writes its
+    own when it starts; workers of one host agree) with the run's fields (profile, shard, backends). Removes
+    the parts and returns the result records."""
+    records, environments = [], []
     for part in parts:
-        records.extend(read(part))
+        for record in read(part):
+            (environments if record.get("kind") == "environment" else records).append(record)
     records.sort(key=lambda r: (r.get("backend", ""), r.get("case", ""), r.get("test", ""), r.get("tensor", "")))
+    header = dict(environments[0] if environments else {}, kind="environment", **run)
     with Path(path).open("w") as handle:
-        handle.write(dumps(dict(kind="environment", **header)) + "\n")
+        handle.write(dumps(header) + "\n")
         for record in records:
             handle.write(dumps(record) + "\n")
     for part in parts:
