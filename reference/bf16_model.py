@@ -25,6 +25,7 @@ from reference.buckets import (
     head_map,
     reduce_groups,
     scatter_rows,
+    sum_broadcast_rows,
 )
 
 F32 = torch.float32
@@ -138,10 +139,7 @@ class Bf16Model:
                             scatter_rows(target, kv_rows, kv_valid, reduce_groups(values, problem), True)
                     q_rows, q_valid = bucket.q_rows[:, q0:q1], bucket.q_valid[:, q0:q1]
                     if problem.broadcast_q:
-                        # Every sequence reads the same query rows: sum over them in a fixed order here
-                        # (index_add_ of repeated rows is atomic, so run-dependent, on CUDA).
-                        acc_dq = torch.where(q_valid[:, None, :, None], acc_dq, 0.0).sum(0, keepdim=True)
-                        q_rows, q_valid = q_rows[:1], q_valid[:1]
+                        q_rows, q_valid, acc_dq = sum_broadcast_rows(q_rows, q_valid, acc_dq)
                     scatter_rows(dq, q_rows, q_valid, acc_dq, True)
         scale = problem.sm_scale
         return (dq * scale).to(dtype), (dk * scale).to(dtype), dv.to(dtype)

@@ -135,6 +135,17 @@ def scatter_rows(target: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, 
         target[idx] = vals.to(target.dtype)
 
 
+def sum_broadcast_rows(rows: torch.Tensor, valid: torch.Tensor, *values: torch.Tensor):
+    """With broadcast-Q every sequence of a group reads the same query rows: their dq terms ([G, H, L, D] or
+    [G, H, L]) summed over the group in a fixed order, with the first sequence's rows and validity, to be
+    scattered once. (index_add_ of repeated rows is atomic, so run-dependent, on CUDA.)"""
+    summed = []
+    for x in values:
+        mask = valid[:, None, :, None] if x.dim() == 4 else valid[:, None, :]
+        summed.append(torch.where(mask, x, 0.0).sum(0, keepdim=True))
+    return rows[:1], valid[:1], *summed
+
+
 def scatter_row_heads(target: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, values: torch.Tensor,
                       accumulate: bool) -> None:
     """Writes (or adds) per-row values [G, H, L] into target [H, rows] at the valid rows."""

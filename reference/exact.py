@@ -48,6 +48,7 @@ from reference.buckets import (
     reduce_groups,
     scatter_row_heads,
     scatter_rows,
+    sum_broadcast_rows,
 )
 
 F64 = torch.float64
@@ -249,10 +250,13 @@ def _backward(result: Reference, r_rows, inputs, dout, problem: Problem, u: floa
                     row_max = reduce_groups(logit_part, problem).amax(-1)
                     scatter_row_heads(target_logit, kv_rows, kv_valid, row_max, True)
             q_rows, q_valid = bucket.q_rows[:, q0:q1], bucket.q_valid[:, q0:q1]
+            dq_terms = (acc_dq[0], acc_dq[1], acc_dq[2].amax(-1))
+            if problem.broadcast_q:
+                q_rows, q_valid, *dq_terms = sum_broadcast_rows(q_rows, q_valid, *dq_terms)
             value, part, logit_part = grads["dq"]
-            scatter_rows(value, q_rows, q_valid, acc_dq[0], accumulate=True)
-            scatter_rows(part, q_rows, q_valid, acc_dq[1], accumulate=True)
-            scatter_row_heads(logit_part, q_rows, q_valid, acc_dq[2].amax(-1), accumulate=True)
+            scatter_rows(value, q_rows, q_valid, dq_terms[0], accumulate=True)
+            scatter_rows(part, q_rows, q_valid, dq_terms[1], accumulate=True)
+            scatter_row_heads(logit_part, q_rows, q_valid, dq_terms[2], accumulate=True)
 
     for name, (value, part, logit_part) in grads.items():
         result.values[name] = value

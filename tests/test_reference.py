@@ -188,3 +188,35 @@ def test_gradcheck_against_finite_differences():
 
     inputs = tuple(x.double().requires_grad_() for x in (q, k, v))
     assert torch.autograd.gradcheck(Exact.apply, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+def test_accumulating_scatters_name_each_row_once(monkeypatch):
+    """index_add_ of a repeated row is atomic on CUDA, so its sum depends on the run: every accumulating
+    scatter of the reference and of the bf16 model must name each row once, so that both are bitwise
+    reproducible on a GPU. Broadcast-Q's dq is the case that repeats rows (every sequence reads the same
+    query rows); GQA's dk/dv sum over a group's heads."""
+    import jfa
+    import reference.bf16_model
+    import reference.exact
+    from reference import buckets
+
+    scattered = []
+
+    def checked(scatter):
+        def scatter_once(target, rows, valid, values, accumulate):
+            if accumulate:
+                named = rows[valid]
+                assert named.unique().numel() == named.numel(), f"{scatter.__name__} repeats rows: {named.tolist()}"
+                scattered.append(scatter.__name__)
+            return scatter(target, rows, valid, values, accumulate)
+        return scatter_once
+
+    for module in (reference.exact, reference.bf16_model):
+        for name in ("scatter_rows", "scatter_row_heads"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, checked(getattr(buckets, name)))
+    q, k, v, _, kv_off, dout = jagged_inputs([6, 6, 6, 6], [5, 9, 0, 7], 4, 2, 16, 16, broadcast_q=True, seed=11)
+    reference.exact.reference(q, k, v, problem_of(q, k, v, None, kv_off, broadcast_q=True), dout)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    jfa.attention(*leaves, None, kv_off, broadcast_q=True, backend="bf16-model").backward(dout)
+    assert scattered.count("scatter_rows") >= 8 and "scatter_row_heads" in scattered  # the checks ran
