@@ -99,7 +99,7 @@ def parts_of(path: Path) -> list[Path]:
 
 def resumed_of(path: Path) -> Path:
     """The file beside the merged results file `path` that holds a stopped run's records (resume)."""
-    return Path(path).with_name(Path(path).name + ".resumed.part")
+    return part_path(path, "resumed")
 
 
 def resume(path: Path) -> Path:
