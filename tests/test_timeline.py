@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from verify.timeline import per_worker, table
@@ -41,3 +47,28 @@ def test_per_worker_counts_each_test_once_and_sums_its_tensors_statistics():
 def test_untimed_results_say_so():
     untimed = dict(kind="result", backend="b", case="a:0", test="forward", tensor="out", duration_s=1.0)
     assert "no timed records" in table(per_worker([untimed]))
+
+
+def test_the_run_line_splits_launch_to_merge_into_start_up_tests_and_end():
+    records = [record("gw0", "a:0", "forward", "out", 110.0, 4.0, 5.0, 1.0, worker_started_at=98.0,
+                      worker_launched_at=93.0),
+               record("gw1", "b:0", "forward", "out", 130.0, 10.0, 0.0, 0.0, worker_started_at=97.0,
+                      worker_launched_at=92.5)]
+    workers = per_worker(records)
+    assert workers["gw0"].imports_s == pytest.approx(5.0) and workers["gw1"].imports_s == pytest.approx(4.5)
+    assert "imports s" in table(workers) and "run:" not in table(workers)  # no header: no run line
+    # Launched at 92: the first test starts at 100 (110 - 4 - 5 - 1), the last ends at 130, merged at 133.
+    run = table(workers, dict(kind="environment", launched_at=92.0, merged_at=133.0)).splitlines()[-1]
+    assert run == ("run: 41.0 s from launch to merged results = start-up 8.0 s (the workers' sessions began "
+                   "5.0-6.0 s after launch) + tests 30.0 s + end 3.0 s")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux's /proc")
+def test_process_started_at_is_when_the_process_started():
+    before = time.time()
+    started = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.5); from verify.timeline import "
+                              "process_started_at; print(process_started_at())"], capture_output=True, text=True,
+                             check=True, cwd=Path(__file__).resolve().parent.parent).stdout
+    after = time.time()
+    # To Linux's clock tick (10 ms), between the spawn and the end, and not when it was asked (0.5 s later).
+    assert before - 0.02 <= float(started) <= after - 0.5 + 0.02

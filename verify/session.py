@@ -21,11 +21,12 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from fixtures import case_from_id, profile_case_ids  # noqa: E402
-from verify import devices, environment, results  # noqa: E402
+from verify import devices, environment, results, timeline  # noqa: E402
 from verify.checks import TESTS, backend_fn, check_case  # noqa: E402
 from verify.runner import BackendCrash  # noqa: E402
 
 PROCESS = os.environ.get("PYTEST_XDIST_WORKER", "main")
+LAUNCHED_AT = timeline.process_started_at()
 
 
 def pytest_configure(config):
@@ -98,7 +99,8 @@ class Session:
                                  test=test, tensor="*", status="crash", message=str(crash)))
             pytest.fail(f"{backend} crashed on {case_id} [{test}]: {crash}", pytrace=False)
         # Where and when, so that a run's timeline per worker can be rebuilt from its results (scaling).
-        placed = dict(worker=PROCESS, finished_at=time.time(), worker_started_at=self.started_at)
+        placed = dict(worker=PROCESS, finished_at=time.time(), worker_launched_at=LAUNCHED_AT,
+                      worker_started_at=self.started_at)
         self.part.write(*(dict(record, **placed) for record in records))
         return records
 

@@ -4,21 +4,37 @@
 
 Each test's records carry `worker`, `finished_at` (epoch seconds), `duration_s` (the backend's calls),
 `context_s` (building the case's inputs, float64 reference and bf16 baseline; 0 when the worker had them
-cached), `stats_s` (the statistics of each tensor) and `worker_started_at` (when the worker's session
-began, after its imports). Per worker: its tests, the time in each of those parts, its start-up (from its
-session's start to its first test's start: collection, CUDA context) and what is left of its span (from
-the run's first worker start to its own last finish) outside them: scheduling, result writing, idling.
-A run that scales badly shows either one worker finishing far after the others (imbalance) or a large
-unaccounted share on every worker (fixed cost).
+cached), `stats_s` (the statistics of each tensor), `worker_launched_at` (when the worker's process
+started) and `worker_started_at` (when its session began, after its imports). Per worker: its tests, the
+time in each of those parts, its imports, its start-up (from its session's start to its first test's start:
+collection, waiting for the other workers) and what is left of its span (from the run's first worker start
+to its own last finish) outside them: scheduling, result writing, idling. A run that scales badly shows
+either one worker finishing far after the others (imbalance) or a large unaccounted share on every worker
+(fixed cost). The merged file's header adds when the run was launched and when its results were merged,
+so the last line splits the whole run into start-up, tests and end.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 from verify.results import read
+
+
+def process_started_at() -> float | None:
+    """When this process started, in epoch seconds (to Linux's clock tick, 10 ms), from /proc; None where
+    there is no /proc."""
+    try:
+        after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        start_ticks = int(after_name[19])  # field 22 of stat, starttime, counted from field 3
+    except (OSError, IndexError, ValueError):
+        return None
+    return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 @dataclass
@@ -31,6 +47,11 @@ class WorkerTime:
     first_start: float = float("inf")
     last_finish: float = 0.0
     started_at: float = float("inf")
+    launched_at: float = float("inf")
+
+    @property
+    def imports_s(self) -> float:
+        return self.started_at - self.launched_at if self.launched_at < float("inf") else 0.0
 
     @property
     def startup_s(self) -> float:
@@ -51,7 +72,8 @@ def per_worker(records: list[dict]) -> dict[str, WorkerTime]:
         entry = tests.setdefault(key, dict(worker=r["worker"], finished_at=r["finished_at"],
                                            duration_s=r.get("duration_s") or 0.0,
                                            context_s=r.get("context_s") or 0.0, stats_s=0.0,
-                                           started_at=r.get("worker_started_at", float("inf"))))
+                                           started_at=r.get("worker_started_at", float("inf")),
+                                           launched_at=r.get("worker_launched_at", float("inf"))))
         entry["stats_s"] += r.get("stats_s") or 0.0
     workers: dict[str, WorkerTime] = defaultdict(WorkerTime)
     for t in tests.values():
@@ -64,26 +86,35 @@ def per_worker(records: list[dict]) -> dict[str, WorkerTime]:
         w.first_start = min(w.first_start, t["finished_at"] - t["duration_s"] - t["context_s"] - t["stats_s"])
         w.last_finish = max(w.last_finish, t["finished_at"])
         w.started_at = min(w.started_at, t["started_at"])
+        w.launched_at = min(w.launched_at, t["launched_at"])
     return dict(workers)
 
 
-def table(workers: dict[str, WorkerTime]) -> str:
+def table(workers: dict[str, WorkerTime], header: dict | None = None) -> str:
     if not workers:
         return "no timed records (results written before the suite recorded worker and finished_at)"
     start = min(min(w.first_start, w.started_at) for w in workers.values())
     end = max(w.last_finish for w in workers.values())
     lines = [f"{'worker':8s} {'tests':>5s} {'contexts':>8s} {'tests s':>8s} {'context s':>9s} {'stats s':>8s} "
-             f"{'start-up s':>10s} {'other s':>8s} {'ends at s':>9s}"]
+             f"{'imports s':>9s} {'start-up s':>10s} {'other s':>8s} {'ends at s':>9s}"]
     lines.append("-" * len(lines[0]))
     for name in sorted(workers, key=lambda n: (len(n), n)):
         w = workers[name]
         span = w.last_finish - start
         lines.append(f"{name:8s} {w.tests:5d} {w.contexts:8d} {w.test_s:8.1f} {w.context_s:9.1f} {w.stats_s:8.1f} "
-                     f"{w.startup_s:10.1f} {span - w.busy_s - w.startup_s:8.1f} {span:9.1f}")
+                     f"{w.imports_s:9.1f} {w.startup_s:10.1f} {span - w.busy_s - w.startup_s:8.1f} {span:9.1f}")
     busy = sum(w.busy_s for w in workers.values())
     lines.append(f"span of the tests {end - start:.1f} s over {len(workers)} workers; busy {busy:.1f} worker-s "
                  f"({busy / len(workers):.1f} s each on average); the last worker ends "
                  f"{end - min(w.last_finish for w in workers.values()):.1f} s after the first")
+    launched, merged = (header or {}).get("launched_at"), (header or {}).get("merged_at")
+    if launched is not None and merged is not None:
+        first_test = min(w.first_start for w in workers.values())
+        sessions = [w.started_at - launched for w in workers.values() if w.started_at < float("inf")]
+        lines.append(f"run: {merged - launched:.1f} s from launch to merged results = start-up "
+                     f"{first_test - launched:.1f} s (the workers' sessions began {min(sessions, default=0):.1f}-"
+                     f"{max(sessions, default=0):.1f} s after launch) + tests {end - first_test:.1f} s + end "
+                     f"{merged - end:.1f} s")
     return "\n".join(lines)
 
 
@@ -94,5 +125,6 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     records = [r for path in args.results for r in read(Path(path))]
-    print(table(per_worker(records)))
+    headers = [r for r in records if r.get("kind") == "environment" and "launched_at" in r]
+    print(table(per_worker(records), headers[0] if len(headers) == 1 else None))
     return 0
