@@ -69,17 +69,20 @@ def test_shards_partition_the_profile(tmp_path):
     assert seen[0] and seen[1] and not seen[0] & seen[1] and seen[0] | seen[1] == whole
 
 
-def test_a_run_imports_neither_hypothesis_nor_scipy_stats_before_its_first_statistics():
+def test_a_run_imports_neither_hypothesis_nor_scipy_stats_before_its_first_statistics(tmp_path):
     """Start-up and shut-down are paid by every xdist worker and the controller whatever the run's size:
     the controller must not import scipy.stats (a second, before it starts the workers), and no process
-    may import hypothesis in its terminal summary (a second, after the last test)."""
+    may import hypothesis in its terminal summary (a second, after the last test). Collecting writes no
+    results (it would replace the last run's)."""
+    results = tmp_path / "results.jsonl"
     script = ("import sys, pytest; pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'verify/', "
-              "'--jfa-case', 'uniform:0', '--jfa-backend', 'bf16-model']); "
+              f"'--jfa-case', 'uniform:0', '--jfa-backend', 'bf16-model', '--jfa-results', {str(results)!r}]); "
               "print('imported:', 'hypothesis' in sys.modules, 'scipy.stats' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
                           capture_output=True, text=True, timeout=300)
     assert "::test_case[" in proc.stdout, proc.stdout + proc.stderr
     assert "imported: False False" in proc.stdout, proc.stdout[-2000:]
+    assert not list(tmp_path.iterdir())
 
 
 def test_the_xdist_controller_imports_no_torch(tmp_path):

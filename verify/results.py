@@ -126,7 +126,7 @@ def finished_tests(resumed: Path) -> set[tuple[str, str, str]]:
 def merge(parts: list[Path], path: Path, run: dict) -> list[dict]:
     """Concatenates worker files (sorted, so the merged file is independent of worker timing) under one
     environment header: the first environment record in the parts (each process that runs tests writes its
-    own when it starts; workers of one host agree) with the run's fields (profile, shard, backends). Removes
+    own before its first records; workers of one host agree) with the run's fields (profile, shard, backends). Removes
     the parts and returns the result records."""
     records, environments = [], []
     for part in parts:

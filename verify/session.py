@@ -38,13 +38,6 @@ def pytest_configure(config):
     config.jfa_session = _SESSION = Session(config)
 
 
-def pytest_sessionstart(session):
-    # What produced this process's records; the merge heads the results with it. Written here rather than
-    # by the controller at the end, which would need torch.
-    jfa_session = session.config.jfa_session
-    jfa_session.part.write(dict(kind="environment", **environment.collect(jfa_session.device.type)))
-
-
 def _case_ids(config) -> list[str]:
     ids = config.getoption("jfa_case") or profile_case_ids(config.getoption("jfa_profile"))
     index, count = devices.parse_shard(config.getoption("shard"))
@@ -87,6 +80,15 @@ class Session:
         self.resumed = results.resumed_of(results_path)
         self.crashed = False
         self.started_at = time.time()
+        self.environment_written = False
+
+    def write(self, *records: dict) -> None:
+        """Appends records to this process's file, the first time after what produced them: the environment,
+        which the merge puts at the head of the results (the controller, without torch, cannot collect it)."""
+        if not self.environment_written:
+            records = (dict(kind="environment", **environment.collect(self.device.type)), *records)
+            self.environment_written = True
+        self.part.write(*records)
 
     def check(self, backend: str, case_id: str, test: str) -> list[dict]:
         try:
@@ -95,13 +97,13 @@ class Session:
             # The device is unusable in this process: record, fail this test, then leave (pytest_runtest_logfinish)
             # so xdist replaces the worker and the other cases go on.
             self.crashed = True
-            self.part.write(dict(kind="result", backend=backend, case=case_id, family=case_from_id(case_id).family,
-                                 test=test, tensor="*", status="crash", message=str(crash)))
+            self.write(dict(kind="result", backend=backend, case=case_id, family=case_from_id(case_id).family,
+                            test=test, tensor="*", status="crash", message=str(crash)))
             pytest.fail(f"{backend} crashed on {case_id} [{test}]: {crash}", pytrace=False)
         # Where and when, so that a run's timeline per worker can be rebuilt from its results (scaling).
         placed = dict(worker=PROCESS, finished_at=time.time(), worker_launched_at=LAUNCHED_AT,
                       worker_started_at=self.started_at)
-        self.part.write(*(dict(record, **placed) for record in records))
+        self.write(*(dict(record, **placed) for record in records))
         return records
 
 
