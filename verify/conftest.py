@@ -108,8 +108,9 @@ def pytest_configure(config):
         else:
             for stale in results.parts_of(path):
                 stale.unlink()
+    global _CONTROLLER_PART
+    _CONTROLLER_PART = None
     if _is_controller(config):
-        global _CONTROLLER_PART
         _CONTROLLER_PART = results.ResultsFile(results.part_path(Path(config.getoption("jfa_results")), "main"))
         if config.option.maxschedchunk is None:
             # One case per batch (verify.scheduling): a case's tests go to one worker, and the cases are dealt
