@@ -57,10 +57,10 @@ def test_the_run_line_splits_launch_to_merge_into_start_up_tests_and_end():
     workers = per_worker(records)
     assert workers["gw0"].imports_s == pytest.approx(5.0) and workers["gw1"].imports_s == pytest.approx(4.5)
     assert "imports s" in table(workers) and "run:" not in table(workers)  # no header: no run line
-    # Launched at 92: the first test starts at 100 (110 - 4 - 5 - 1), the last ends at 130, merged at 133.
-    run = table(workers, dict(kind="environment", launched_at=92.0, merged_at=133.0)).splitlines()[-1]
-    assert run == ("run: 41.0 s from launch to merged results = start-up 8.0 s (the workers' sessions began "
-                   "5.0-6.0 s after launch) + tests 30.0 s + end 3.0 s")
+    # Started at 92: the first test starts at 100 (110 - 4 - 5 - 1), the last ends at 130, merged at 133.
+    run = table(workers, dict(kind="environment", started_at=92.0, merged_at=133.0)).splitlines()[-1]
+    assert run == ("run: 41.0 s from its start to merged results = start-up 8.0 s (the workers' sessions began "
+                   "5.0-6.0 s after the start) + tests 30.0 s + end 3.0 s")
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux's /proc")

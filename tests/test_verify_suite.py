@@ -104,9 +104,9 @@ def test_the_xdist_controller_imports_no_torch(tmp_path):
     assert header["profile"] == "smoke" and header["backends"] == ["bf16-model"]
     assert {r["test"] for r in records[1:]} == {"forward", "backward", "invariants"}
     assert all(r["kind"] == "result" for r in records[1:])
-    # The run's clock (python -m verify timeline): launch <= each worker's launch <= its session <= merge.
+    # The run's clock (python -m verify timeline): start <= each worker's launch <= its session <= merge.
     for r in records[1:]:
-        assert header["launched_at"] <= r["worker_launched_at"] <= r["worker_started_at"] <= header["merged_at"]
+        assert header["started_at"] <= r["worker_launched_at"] <= r["worker_started_at"] <= header["merged_at"]
 
 
 def test_resume_runs_only_the_tests_a_stopped_run_left_and_merges_both(tmp_path):

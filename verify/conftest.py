@@ -16,13 +16,17 @@ import sys
 import time
 from pathlib import Path
 
+# When pytest loaded the suite: the run's clock starts here (the process's own start, in /proc, predates an
+# exec, so a shell that execs pytest as its last command would move it back to the shell's start).
+LOADED_AT = time.time()
+
 # Asking NVML (not the CUDA runtime) whether a GPU exists leaves CUDA uninitialised, so a worker can still
 # pin itself to one GPU through CUDA_VISIBLE_DEVICES in pytest_configure.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import pytest  # noqa: E402
 
-from verify import devices, results, timeline  # noqa: E402
+from verify import devices, results  # noqa: E402
 
 DEFAULT_BACKENDS = ("tlx", "triton", "bf16-model", "torch-varlen", "flex")
 PROFILES = ("smoke", "ci", "premerge", "nightly")
@@ -99,7 +103,6 @@ def pytest_configure(config):
         if gpu is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     else:
-        config.jfa_launched_at = timeline.process_started_at()
         # Before the workers start (xdist starts them at session start), so that every worker collects the
         # same tests: gather a stopped run's files to resume it, or remove a stopped run's stale files.
         path = Path(config.getoption("jfa_results"))
@@ -140,7 +143,7 @@ def pytest_terminal_summary(terminalreporter, config):
     if not parts:
         return
     run = dict(profile=config.getoption("jfa_profile"), shard=config.getoption("shard"),
-               backends=config.getoption("jfa_backend"), launched_at=config.jfa_launched_at, merged_at=time.time())
+               backends=config.getoption("jfa_backend"), started_at=LOADED_AT, merged_at=time.time())
     records = results.merge(parts, path, run)
     terminalreporter.section("jfa verify summary")
     terminalreporter.write_line(results.summary_table(records))

@@ -26,7 +26,9 @@ from verify.checks import TESTS, backend_fn, check_case  # noqa: E402
 from verify.runner import BackendCrash  # noqa: E402
 
 PROCESS = os.environ.get("PYTEST_XDIST_WORKER", "main")
-LAUNCHED_AT = timeline.process_started_at()
+# An xdist worker's process start (xdist spawns it directly; pytest started from a shell may have been exec'd
+# by it, so the main process's start is not taken).
+LAUNCHED_AT = timeline.process_started_at() if PROCESS != "main" else None
 
 
 def pytest_configure(config):

@@ -10,8 +10,9 @@ time in each of those parts, its imports, its start-up (from its session's start
 collection, waiting for the other workers) and what is left of its span (from the run's first worker start
 to its own last finish) outside them: scheduling, result writing, idling. A run that scales badly shows
 either one worker finishing far after the others (imbalance) or a large unaccounted share on every worker
-(fixed cost). The merged file's header adds when the run was launched and when its results were merged,
-so the last line splits the whole run into start-up, tests and end.
+(fixed cost). The merged file's header adds when the run started (pytest loaded the suite, after Python's
+and pytest's own imports) and when its results were merged, so the last line splits the run into start-up,
+tests and end.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from verify.results import read
 
 def process_started_at() -> float | None:
     """When this process started, in epoch seconds (to Linux's clock tick, 10 ms), from /proc; None where
-    there is no /proc."""
+    there is no /proc. For xdist's workers, which it spawns directly; a process that a shell exec'd reports
+    the shell's start."""
     try:
         after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
         uptime = float(Path("/proc/uptime").read_text().split()[0])
@@ -72,8 +74,8 @@ def per_worker(records: list[dict]) -> dict[str, WorkerTime]:
         entry = tests.setdefault(key, dict(worker=r["worker"], finished_at=r["finished_at"],
                                            duration_s=r.get("duration_s") or 0.0,
                                            context_s=r.get("context_s") or 0.0, stats_s=0.0,
-                                           started_at=r.get("worker_started_at", float("inf")),
-                                           launched_at=r.get("worker_launched_at", float("inf"))))
+                                           started_at=r.get("worker_started_at") or float("inf"),
+                                           launched_at=r.get("worker_launched_at") or float("inf")))
         entry["stats_s"] += r.get("stats_s") or 0.0
     workers: dict[str, WorkerTime] = defaultdict(WorkerTime)
     for t in tests.values():
@@ -107,13 +109,13 @@ def table(workers: dict[str, WorkerTime], header: dict | None = None) -> str:
     lines.append(f"span of the tests {end - start:.1f} s over {len(workers)} workers; busy {busy:.1f} worker-s "
                  f"({busy / len(workers):.1f} s each on average); the last worker ends "
                  f"{end - min(w.last_finish for w in workers.values()):.1f} s after the first")
-    launched, merged = (header or {}).get("launched_at"), (header or {}).get("merged_at")
-    if launched is not None and merged is not None:
+    started, merged = (header or {}).get("started_at"), (header or {}).get("merged_at")
+    if started is not None and merged is not None:
         first_test = min(w.first_start for w in workers.values())
-        sessions = [w.started_at - launched for w in workers.values() if w.started_at < float("inf")]
-        lines.append(f"run: {merged - launched:.1f} s from launch to merged results = start-up "
-                     f"{first_test - launched:.1f} s (the workers' sessions began {min(sessions, default=0):.1f}-"
-                     f"{max(sessions, default=0):.1f} s after launch) + tests {end - first_test:.1f} s + end "
+        sessions = [w.started_at - started for w in workers.values() if w.started_at < float("inf")]
+        lines.append(f"run: {merged - started:.1f} s from its start to merged results = start-up "
+                     f"{first_test - started:.1f} s (the workers' sessions began {min(sessions, default=0):.1f}-"
+                     f"{max(sessions, default=0):.1f} s after the start) + tests {end - first_test:.1f} s + end "
                      f"{merged - end:.1f} s")
     return "\n".join(lines)
 
@@ -125,6 +127,6 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     records = [r for path in args.results for r in read(Path(path))]
-    headers = [r for r in records if r.get("kind") == "environment" and "launched_at" in r]
+    headers = [r for r in records if r.get("kind") == "environment" and "started_at" in r]
     print(table(per_worker(records), headers[0] if len(headers) == 1 else None))
     return 0
