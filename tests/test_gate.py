@@ -256,3 +256,17 @@ def test_a_run_that_died_before_merging_is_judged_from_its_parts(tmp_path):
     (tmp_path / "results.jsonl.main.part").write_text(results.dumps(crash) + "\n")
     code, output = run_gate("--results", tmp_path / "results.jsonl")
     assert code == 1 and "REGRESSIONS (1)" in output and "crash" in output
+
+
+def test_parts_are_read_under_the_environment_their_workers_recorded(tmp_path):
+    """Each worker writes the environment it ran in before its first records; the parts of a run that died
+    before merging are judged under it (one header), and under this machine's when no worker wrote one."""
+    crash = dict(kind="result", backend="emulator", case="uniform:0", family="uniform", test="forward", tensor="*",
+                 status="crash", message="worker 'gw1' crashed")
+    worker = dict(kind="environment", device_class="nvidia-h200", torch="2.11.0+cu130")
+    (tmp_path / "results.jsonl.main.part").write_text(results.dumps(crash) + "\n")
+    records = gate.read_run(tmp_path / "results.jsonl", backends=["emulator"])
+    assert records[0]["device_class"] == "cpu-interpreter" and records[1:] == [crash]
+    (tmp_path / "results.jsonl.gw0.part").write_text(results.dumps(worker) + "\n")
+    records = gate.read_run(tmp_path / "results.jsonl", backends=["emulator"])
+    assert records == [dict(worker, backends=["emulator"]), crash]

@@ -335,15 +335,17 @@ def _missing_summary(missing: list[str], limit: int = 10) -> str:
 
 def read_run(path: Path, backends=()) -> list[dict]:
     """A run's records: the merged results file, or, when the run died before merging (an xdist internal
-    error after a worker crash, a signal), the per-worker parts under this machine's environment."""
+    error after a worker crash, a signal), the per-worker parts under the environment their workers recorded
+    (this machine's when none did)."""
     if path.exists():
         return results.read(path)
     parts = results.parts_of(path)
     if not parts:
         return []
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    header = dict(kind="environment", **environment.collect(device), backends=list(backends) or None)
-    return [header, *(r for part in parts for r in results.read(part))]
+    recorded, records = results.split_environment([r for part in parts for r in results.read(part)])
+    if recorded is None:
+        recorded = dict(kind="environment", **environment.collect("cuda" if torch.cuda.is_available() else "cpu"))
+    return [dict(recorded, backends=list(backends) or None), *records]
 
 
 # Running the suite -----------------------------------------------------------------------------------------

@@ -123,17 +123,20 @@ def finished_tests(resumed: Path) -> set[tuple[str, str, str]]:
     return {(r["backend"], r["case"], r["test"]) for r in read(resumed) if r.get("kind") == "result"}
 
 
+def split_environment(records: list[dict]) -> tuple[dict | None, list[dict]]:
+    """The first environment record among worker files' records (each process that runs tests writes its own
+    before its first records; workers of one host agree), or None, and the other records."""
+    environments = [r for r in records if r.get("kind") == "environment"]
+    return (environments[0] if environments else None), [r for r in records if r.get("kind") != "environment"]
+
+
 def merge(parts: list[Path], path: Path, run: dict) -> list[dict]:
     """Concatenates worker files (sorted, so the merged file is independent of worker timing) under one
-    environment header: the first environment record in the parts (each process that runs tests writes its
-    own before its first records; workers of one host agree) with the run's fields (profile, shard, backends). Removes
-    the parts and returns the result records."""
-    records, environments = [], []
-    for part in parts:
-        for record in read(part):
-            (environments if record.get("kind") == "environment" else records).append(record)
+    environment header (split_environment) with the run's fields (profile, shard, backends). Removes the parts
+    and returns the result records."""
+    environment, records = split_environment([record for part in parts for record in read(part)])
     records.sort(key=lambda r: (r.get("backend", ""), r.get("case", ""), r.get("test", ""), r.get("tensor", "")))
-    header = dict(environments[0] if environments else {}, kind="environment", **run)
+    header = dict(environment or {}, kind="environment", **run)
     with Path(path).open("w") as handle:
         handle.write(dumps(header) + "\n")
         for record in records:

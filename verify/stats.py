@@ -120,8 +120,8 @@ def _bias(err_signed: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, use:
     two one-sample t-tests against 0. scipy's ttest_1samp, but from float64 moments taken where the tensors
     are: a backward of a premerge case has tens of millions of elements (the statistics were 45% of the H200
     workers' time, and on the CPU this copy and scipy two thirds of a many-sequence case's statistics)."""
-    # Imported here: scipy.stats takes a second to import, and an xdist controller, which starts the
-    # workers only after its own imports, never computes statistics.
+    # Imported here: scipy.stats takes a second to import, which only a process that computes statistics
+    # should pay (not one that only collects tests or reads results).
     from scipy.stats import t as student_t
 
     e = (err_signed[use] / bound[use]).double()
