@@ -2,7 +2,8 @@
 # The GPU work of a session on the lent H200 machine(s), in stages, each writing under $OUT:
 #   bash scripts/gpu_session.sh STAGE [STAGE ...]
 # Stages: env, triton-selftest, tlx-selftest, premerge:GPUS:BACKENDS:TAG, bench, sanitizer:TOOL:BACKEND[:i/n],
-# repeat.
+# repeat. A group STAGE+STAGE+... runs its stages at once, the i-th on GPU i mod (the GPUs present), e.g. the
+# shards of a sanitizer run spread over a multi-GPU machine.
 # The machine has no package registry: run from the carried tree (PYTHONPATH) and carry
 # fbtriton in .carry for the tlx stages (../shared/device/README.md); a stage naming the tlx backend, and
 # bench, run with fbtriton first on the path (it replaces triton, so the triton backend then runs on it too).
@@ -66,18 +67,39 @@ stage_bench() {
 # its shard i/n (racecheck slows TLX launches so much that the whole profile outlasts one device call).
 stage_sanitizer() {
   local tool=$1 backend=$2 shard=${3:-0/1}
+  local name=sanitizer_${tool}_${backend}_${shard/\//of}
   for_backends "$backend" timeout ${SANITIZER_TIMEOUT:-240} compute-sanitizer --tool "$tool" --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider verify/ --jfa-profile smoke --jfa-backend "$backend" --shard "$shard" \
-    --jfa-results /tmp/jfa/sanitizer.jsonl 2>&1 | tail -n 40 | tee "$OUT/sanitizer_${tool}_${backend}_${shard/\//of}.txt"
+    --jfa-results /tmp/jfa/$name.jsonl > /tmp/jfa/$name.log 2>&1
+  echo "$name: exit $?" | tee -a "$OUT/timings.txt"
+  tail -n 40 /tmp/jfa/$name.log | tee "$OUT/$name.txt"
 }
 
 stage_repeat() { timeout 240 python3 -m verify.repeat --backend triton --runs 200 --deterministic 2>&1 | tee "$OUT/repeat.txt"; }
 
-for stage in "$@"; do
-  echo "=== $stage ($(date -u +%H:%M:%S))"
-  case $stage in
-    premerge:*) IFS=: read -r _ gpus backends tag <<< "$stage"; stage_premerge "$gpus" "${backends//,/ }" "$tag" ;;
-    sanitizer:*) IFS=: read -r _ tool backend shard <<< "$stage"; stage_sanitizer "$tool" "$backend" "$shard" ;;
-    *) "stage_${stage//-/_}" ;;
+run_stage() {
+  echo "=== $1 ($(date -u +%H:%M:%S))"
+  case $1 in
+    premerge:*) IFS=: read -r _ gpus backends tag <<< "$1"; stage_premerge "$gpus" "${backends//,/ }" "$tag" ;;
+    sanitizer:*) IFS=: read -r _ tool backend shard <<< "$1"; stage_sanitizer "$tool" "$backend" "$shard" ;;
+    *) "stage_${1//-/_}" ;;
   esac
+}
+
+# A group's stages, each on one GPU; fbtriton is unpacked once first (concurrent unpacking would race).
+run_group() {
+  local gpus i=0 stage
+  gpus=$(nvidia-smi --list-gpus | wc -l)
+  [[ "$1" == *tlx* || "$1" == *bench* ]] && with_fbtriton true
+  IFS=+ read -ra parts <<< "$1"
+  for stage in "${parts[@]}"; do
+    CUDA_VISIBLE_DEVICES=$((i % gpus)) run_stage "$stage" > "/tmp/jfa/group_$i.log" 2>&1 &
+    i=$((i + 1))
+  done
+  wait
+  for ((i = 0; i < ${#parts[@]}; i++)); do cat "/tmp/jfa/group_$i.log"; done
+}
+
+for stage in "$@"; do
+  if [[ "$stage" == *+* ]]; then run_group "$stage"; else run_stage "$stage"; fi
 done
