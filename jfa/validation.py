@@ -1,7 +1,12 @@
 """Every rule of the op contract, checked on the host before anything is launched.
 
-Errors name the argument and the rule. Nothing the caller passed is modified: int64 offsets are converted
-into new tensors.
+Errors name the argument and the rule. Nothing the caller passed is modified: the kernels get their own
+int32 copies of the offsets.
+
+The host needs the offsets' values (every rule about them, and the tile schedule), which costs one
+device-to-host copy and a wait for the device per call: both offsets travel in one copy. The kernels' int32
+offsets are made on the device from the caller's tensors (a device-to-device copy, or a fill with
+broadcast_q), not uploaded from the host copies, which would cost a host-to-device copy each.
 """
 
 from __future__ import annotations
@@ -38,8 +43,7 @@ def _check_head_dim(name: str, size: int) -> None:
         )
 
 
-def _host_offsets(name: str, offsets, device: torch.device, rows: int, rows_name: str) -> torch.Tensor:
-    """Checks one offsets tensor and returns its int64 host copy."""
+def _check_offsets_tensor(name: str, offsets, device: torch.device) -> None:
     if not isinstance(offsets, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")
     if offsets.dtype not in (torch.int32, torch.int64):
@@ -48,7 +52,16 @@ def _host_offsets(name: str, offsets, device: torch.device, rows: int, rows_name
         raise ValueError(f"{name} must be 1-D with B+1 >= 1 entries, got shape {tuple(offsets.shape)}")
     if offsets.device != device:
         raise ValueError(f"{name} is on {offsets.device} but q is on {device}: all inputs must share a device")
-    host = offsets.detach().to("cpu", torch.int64)
+
+
+def _to_host(*offsets: torch.Tensor) -> list[torch.Tensor]:
+    """int64 host copies of checked offsets tensors, in one device-to-host copy."""
+    dtype = torch.int64 if any(t.dtype == torch.int64 for t in offsets) else torch.int32
+    joined = torch.cat([t.detach().to(dtype) for t in offsets]).to("cpu", torch.int64)
+    return list(torch.split(joined, [t.numel() for t in offsets]))
+
+
+def _check_offsets_values(name: str, host: torch.Tensor, rows: int, rows_name: str) -> None:
     if host[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {int(host[0])}")
     steps = host[1:] - host[:-1]
@@ -62,7 +75,11 @@ def _host_offsets(name: str, offsets, device: torch.device, rows: int, rows_name
         raise ValueError(f"{name}[-1] = {int(host[-1])} must equal the number of {rows_name} rows, {rows}")
     if rows >= 2**31:
         raise ValueError(f"{name}[-1] = {rows} does not fit the int32 offsets kernels use")
-    return host
+
+
+def _device_copy(offsets: torch.Tensor) -> torch.Tensor:
+    """The kernels' int32 offsets: a new contiguous tensor on the caller's device."""
+    return torch.empty(offsets.shape, dtype=torch.int32, device=offsets.device).copy_(offsets)
 
 
 def _check_max_len(name: str, value, real: int) -> int:
@@ -106,19 +123,24 @@ def validate(
     _check_head_dim("head dim of q and k", head_dim)
     _check_head_dim("head dim of v", head_dim_v)
 
-    kv_host = _host_offsets("kv_offsets", kv_offsets, q.device, k.shape[0], "k and v")
-    batch = kv_host.numel() - 1
-    kv_lens = kv_host[1:] - kv_host[:-1]
+    _check_offsets_tensor("kv_offsets", kv_offsets, q.device)
     if broadcast_q:
         if q_offsets is not None:
             raise ValueError("q_offsets must be None with broadcast_q=True: q is one shared query sequence")
-        shared_len = q.shape[0]
-        q_lens = torch.full((batch,), shared_len, dtype=torch.int64)
-        q_host = torch.zeros(batch + 1, dtype=torch.int64)
+        (kv_host,) = _to_host(kv_offsets)
     else:
         if q_offsets is None:
             raise ValueError("q_offsets is required unless broadcast_q=True")
-        q_host = _host_offsets("q_offsets", q_offsets, q.device, q.shape[0], "q")
+        _check_offsets_tensor("q_offsets", q_offsets, q.device)
+        kv_host, q_host = _to_host(kv_offsets, q_offsets)
+    _check_offsets_values("kv_offsets", kv_host, k.shape[0], "k and v")
+    batch = kv_host.numel() - 1
+    kv_lens = kv_host[1:] - kv_host[:-1]
+    if broadcast_q:
+        q_lens = torch.full((batch,), q.shape[0], dtype=torch.int64)
+        q_host = torch.zeros(batch + 1, dtype=torch.int64)
+    else:
+        _check_offsets_values("q_offsets", q_host, q.shape[0], "q")
         if q_host.numel() != batch + 1:
             raise ValueError(
                 f"q_offsets has {q_host.numel() - 1} sequences but kv_offsets has {batch}: B must match"
@@ -148,14 +170,18 @@ def validate(
             raise ValueError(f"sm_scale must be finite, got {sm_scale}")
         sm_scale = float(sm_scale)
 
-    def on_device(host: torch.Tensor) -> torch.Tensor:
-        return host.to(device=q.device, dtype=torch.int32)
-
+    # Every rule holds: the kernels' offsets, made on the device.
+    if broadcast_q:
+        q_device = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
+        out_device = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * q.shape[0]
+    else:
+        q_device = out_device = _device_copy(q_offsets)
+    kv_device = _device_copy(kv_offsets)
     return Problem(
         batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, head_dim_v=head_dim_v,
         dtype=q.dtype, device=q.device, sm_scale=sm_scale, window=window, causal=causal,
         broadcast_q=broadcast_q, deterministic=deterministic,
-        q_offsets=on_device(q_host), out_offsets=on_device(out_host), kv_offsets=on_device(kv_host),
+        q_offsets=q_device, out_offsets=out_device, kv_offsets=kv_device,
         q_offsets_host=q_host, out_offsets_host=out_host, kv_offsets_host=kv_host,
         q_lens=q_lens, kv_lens=kv_lens, max_q_len=max_q_len, max_kv_len=max_kv_len,
         q_rows=q.shape[0], out_rows=int(out_host[-1]), kv_rows=k.shape[0],

@@ -126,6 +126,38 @@ def test_int64_offsets_are_converted_not_modified(recorder):
     assert torch.equal(args["q_offsets"], before)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_kernel_offsets_are_int32_copies(dtype):
+    """The kernels' offsets equal the caller's, as new contiguous int32 tensors: writing the caller's
+    afterwards (a reused buffer) changes nothing the backward would read; out rows follow q's."""
+    from jfa.validation import validate
+
+    args = base()
+    q_off = torch.zeros(8, dtype=dtype)[::2]  # a strided view: the kernels index offsets + b
+    q_off.copy_(args["q_offsets"])
+    kv_off = args["kv_offsets"].to(dtype)
+    problem = validate(args["q"], args["k"], args["v"], q_off, kv_off, max_q_len=None, max_kv_len=None,
+                       sm_scale=None, window=None, causal=False, broadcast_q=False, deterministic=False)
+    for given, made in ((q_off, problem.q_offsets), (q_off, problem.out_offsets), (kv_off, problem.kv_offsets)):
+        assert made.dtype == torch.int32 and made.is_contiguous() and torch.equal(made.long(), given.long())
+    assert torch.equal(problem.q_offsets_host, q_off.long()) and torch.equal(problem.kv_offsets_host, kv_off.long())
+    q_off.zero_()
+    kv_off.zero_()
+    assert problem.q_offsets.tolist() == [0, 3, 3, 5] and problem.kv_offsets.tolist() == [0, 4, 6, 6]
+
+
+def test_broadcast_offsets_are_made_for_the_kernels():
+    from jfa.validation import validate
+
+    q = torch.randn(5, 2, 16).bfloat16()
+    k = torch.randn(7, 1, 16).bfloat16()
+    problem = validate(q, k, k, None, offsets([3, 0, 4]), max_q_len=None, max_kv_len=None, sm_scale=None,
+                       window=None, causal=False, broadcast_q=True, deterministic=False)
+    assert problem.q_offsets.tolist() == [0, 0, 0, 0]  # every sequence reads the one shared q
+    assert problem.out_offsets.tolist() == [0, 5, 10, 15] == problem.out_offsets_host.tolist()
+    assert problem.q_offsets.dtype == problem.out_offsets.dtype == torch.int32
+
+
 def test_valid_edge_cases_are_accepted(recorder):
     """B = 0, all-empty batches and broadcast_q with q_offsets None are valid."""
     empty = torch.zeros(0, 2, 16, dtype=torch.bfloat16)
