@@ -103,13 +103,11 @@ def _offsets(lens, device):
     return out.to(device)
 
 
-def bench_row(row: str, backends, dtype, head_dim: int, causal: bool, window, repeats: int, seed: int):
+def row_inputs(row: str, dtype, head_dim: int, seed: int, device, causal: bool = False, window=None):
+    """A row's inputs: (q, k, v, q_offsets, kv_offsets, dout) drawn from N(0, 1) on the CPU with `seed` (one
+    head dim for q, k and v), the op's keyword arguments, and the visible (query, key) pairs times heads."""
     import torch
 
-    from jfa import backends as registry
-    from jfa.peers import Unsupported
-
-    device = torch.device("cuda")
     q_lens, kv_lens, heads, broadcast = lengths(row, seed)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     q_rows = int(q_lens[0]) if broadcast else int(q_lens.sum())
@@ -125,6 +123,19 @@ def bench_row(row: str, backends, dtype, head_dim: int, causal: bool, window, re
     kwargs = dict(max_q_len=int(q_lens.max()), max_kv_len=int(kv_lens.max()), causal=causal, window=window,
                   broadcast_q=broadcast)
     pairs = visible_pairs(q_lens, kv_lens, window, causal) * heads
+    return (q, k, v, q_off, kv_off, dout), kwargs, pairs
+
+
+def bench_row(row: str, backends, dtype, head_dim: int, causal: bool, window, repeats: int, seed: int):
+    import torch
+
+    from jfa import backends as registry
+    from jfa.peers import Unsupported
+
+    device = torch.device("cuda")
+    inputs, kwargs, pairs = row_inputs(row, dtype, head_dim, seed, device, causal, window)
+    q, k, v, _, _, dout = inputs
+    heads, out_rows = q.shape[1], dout.shape[0]
     fwd_flops = 4.0 * pairs * head_dim
     bwd_flops = 2.5 * fwd_flops
     elem = torch.finfo(dtype).bits // 8
@@ -147,9 +158,8 @@ def bench_row(row: str, backends, dtype, head_dim: int, causal: bool, window, re
             print(f"  {row:9s} {name:13s} skipped: {reason}", flush=True)
             continue
         try:
-            _measure(record, name, (q, k, v, q_off, kv_off, dout), kwargs,
-                     outputs=elem * io["out"] + 4 * heads * out_rows, grads=elem * (io["q"] + io["k"] + io["v"]),
-                     repeats=repeats)
+            _measure(record, name, inputs, kwargs, outputs=elem * io["out"] + 4 * heads * out_rows,
+                     grads=elem * (io["q"] + io["k"] + io["v"]), repeats=repeats)
         except (Unsupported, NotImplementedError) as error:
             record["skipped"] = f"{type(error).__name__}: {error}"
         except Exception as error:  # noqa: BLE001 - report and go on with the other backends
