@@ -83,7 +83,12 @@ def gpu_config(block_d: int) -> BackendConfig:
     with `python -m jfa.triton.gpu_selftest --compile-only`); the ordinary dK/dV kernel keeps ~200-450
     bytes of spill at head dims 80-128 in every shape tried (the dk and dv accumulators plus the transposed
     score tile and its per-column statistics). `resident` follows from the registers and shared memory
-    ptxas reports (65,536 registers and 228 KiB per SM).
+    ptxas reports (65,536 registers and 228 KiB per SM): two 4-warp programs of <= 255 registers fit.
+    The <= 128 class's dq, dkv and packed_bwd were retimed on the H200 with `python -m jfa.triton.tune`
+    (2026-11-30, triton 3.6; kernel time over jfa.bench's rows): dq at 3 stages instead of 2, 0.80x the
+    time; dkv 32x64 with 4 warps, two per SM, instead of 32x128 with 8, 0.89x (0.88x on each of gem, long
+    and skew); packed_bwd with 4 warps, two per SM, 0.60x on the tiny row. fwd and packed_fwd were fastest
+    as shipped (within 1%).
     """
     if block_d <= 64:
         return BackendConfig(
@@ -96,10 +101,10 @@ def gpu_config(block_d: int) -> BackendConfig:
     if block_d <= 128:
         return BackendConfig(
             fwd=KernelConfig(128, 64, 8, (3, 2)),
-            dq=KernelConfig(128, 64, 8, (2, 3)),
-            dkv=KernelConfig(32, 128, 8, (3, 2)),
+            dq=KernelConfig(128, 64, 8, (3, 2)),
+            dkv=KernelConfig(32, 64, 4, (3, 2), resident=2),
             packed_fwd=KernelConfig(64, 64, 4, (2, 1), resident=2),
-            packed_bwd=KernelConfig(32, 32, 8, (1,)),
+            packed_bwd=KernelConfig(32, 32, 4, (1,), resident=2),
         )
     return BackendConfig(
         fwd=KernelConfig(64, 32, 8, (2,)),
