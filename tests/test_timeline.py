@@ -72,3 +72,26 @@ def test_process_started_at_is_when_the_process_started():
     after = time.time()
     # To Linux's clock tick (10 ms), between the spawn and the end, and not when it was asked (0.5 s later).
     assert before - 0.02 <= float(started) <= after - 0.5 + 0.02
+
+
+def test_the_timeline_command_imports_no_torch(tmp_path):
+    """`python -m verify timeline` reads JSON: it must not pay torch's seconds of import (only gate and bisect
+    import it, and only when chosen)."""
+    import json
+
+    path = tmp_path / "results.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        record("gw0", "a:0", "forward", "out", 110.0, 4.0, 5.0, 0.5, worker_started_at=95.0)]) + "\n")
+    code = ("import sys\nfrom verify.__main__ import main\nstatus = main(['timeline', sys.argv[1]])\n"
+            "print(status, sorted(m for m in ('torch', 'triton', 'numpy', 'jfa') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert "gw0" in out.stdout and out.stdout.strip().splitlines()[-1] == "0 []", out.stdout + out.stderr
+
+
+def test_the_commands_usage_error_statuses_match_their_modules():
+    from verify import __main__ as cli
+    from verify import bisect
+
+    assert cli.COMMANDS["bisect"][1] == bisect.ABORT
+    assert set(cli.NEEDS_TORCH) <= set(cli.COMMANDS)

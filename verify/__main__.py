@@ -5,19 +5,31 @@ went per worker."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
-# As verify/session.py: NVML answers whether a GPU exists without initialising CUDA, and on a CPU the Triton
-# interpreter must be chosen before anything imports triton (jfa.mask does), for `bisect --config`, which
-# runs kernels in this process.
-os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-import torch  # noqa: E402
+# name: (module, exit status of a usage error, summary). Only the chosen command's module is imported:
+# gate and bisect need torch (seconds to import), timeline and report do not.
+COMMANDS = {
+    "gate": ("verify.gate", 2, "compare a run with the stored baseline of its device (ratchet)"),
+    # exit 2 would mark every commit bad under git bisect run; 128 aborts it (verify.bisect.ABORT)
+    "bisect": ("verify.bisect", 128, "judge one commit (or each kernel config) for git bisect run"),
+    "report": ("verify.report", 2, "render results files as one self-contained HTML page"),
+    "timeline": ("verify.timeline", 2, "where a run's wall time went, per xdist worker"),
+}
+NEEDS_TORCH = ("gate", "bisect")
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from verify import bisect, gate, report, timeline  # noqa: E402
+def _prepare_torch() -> None:
+    """As verify/session.py: NVML answers whether a GPU exists without initialising CUDA, and on a CPU the
+    Triton interpreter must be chosen before anything imports triton (jfa.mask does), for `bisect --config`,
+    which runs kernels in this process."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 class Parser(argparse.ArgumentParser):
@@ -32,30 +44,40 @@ class Parser(argparse.ArgumentParser):
         self.exit(self.error_status, f"{self.prog}: error: {message}\n")
 
 
-def parser() -> argparse.ArgumentParser:
+def _chosen(argv: list[str]) -> str | None:
+    """The command named on the command line: the first argument that is not an option."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; the chosen command's module is imported for its arguments, the others
+    appear with their summaries."""
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = _chosen(argv)
     top = Parser(prog="python -m verify", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = top.add_subparsers(dest="command", required=True, metavar="{gate,bisect,report,timeline}",
+    commands = top.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}",
                                   parser_class=Parser)
-    for name, module, error_status, summary in (
-        ("gate", gate, 2, "compare a run with the stored baseline of its device (ratchet)"),
-        # exit 2 would mark every commit bad under git bisect run; 128 aborts it
-        ("bisect", bisect, bisect.ABORT, "judge one commit (or each kernel config) for git bisect run"),
-        ("report", report, 2, "render results files as one self-contained HTML page"),
-        ("timeline", timeline, 2, "where a run's wall time went, per xdist worker"),
-    ):
-        sub = commands.add_parser(name, help=summary, description=module.__doc__, error_status=error_status,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(sub)
+    for name, (module_name, error_status, summary) in COMMANDS.items():
+        module = None
+        if name == chosen:
+            if name in NEEDS_TORCH:
+                _prepare_torch()
+            module = importlib.import_module(module_name)
+        sub = commands.add_parser(name, help=summary, description=module.__doc__ if module else summary,
+                                  error_status=error_status, formatter_class=argparse.RawDescriptionHelpFormatter)
+        if module:
+            module.add_arguments(sub)
         sub.set_defaults(module=module, parser=sub)
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, unknown = parser().parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args, unknown = parser(argv).parse_known_args(argv)
     if unknown:  # reported by the subcommand's parser, so that bisect's usage errors abort git bisect run
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if args.module is bisect:
-        return bisect.main(args, args.parser)
+    if args.command == "bisect":
+        return args.module.main(args, args.parser)
     return args.module.main(args)
 
 
