@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU work of a session on the lent H200 machine(s), in stages, each writing under $OUT:
 #   bash scripts/gpu_session.sh STAGE [STAGE ...]
-# Stages: env, triton-selftest, tlx-selftest, premerge:GPUS:BACKENDS:TAG, bench, sanitizer:TOOL:BACKEND[:i/n],
-# repeat. A group STAGE+STAGE+... runs its stages at once, the i-th on GPU i mod (the GPUs present), e.g. the
+# Stages: env, triton-selftest, tlx-selftest, premerge:GPUS:BACKENDS:TAG, bench, tune:ROLES,
+# sanitizer:TOOL:BACKEND[:i/n], repeat. A group STAGE+STAGE+... runs its stages at once, the i-th on GPU i mod (the GPUs present), e.g. the
 # shards of a sanitizer run spread over a multi-GPU machine.
 # The machine has no package registry: run from the carried tree (PYTHONPATH) and carry
 # fbtriton in .carry for the tlx stages (../shared/device/README.md); a stage naming the tlx backend, and
@@ -63,6 +63,16 @@ stage_bench() {
     --json "$OUT/bench_flex.json" 2>&1 | tee "$OUT/bench_flex.txt"
 }
 
+# tune ROLES: python -m jfa.triton.tune over the comma-separated kernel roles (TUNE_ARGS: e.g. --head-dim 64),
+# on stock triton, the backend's own; two groups of roles fit one call as a group, one GPU each.
+stage_tune() {
+  local roles=$1
+  timeout ${TUNE_TIMEOUT:-540} python3 -m jfa.triton.tune --roles ${roles//,/ } --iters 5 ${TUNE_ARGS:-} \
+    --json "$OUT/tune_${roles//,/_}.json" > "$OUT/tune_${roles//,/_}.txt" 2>&1
+  echo "tune $roles: exit $?" | tee -a "$OUT/timings.txt"
+  tail -n 60 "$OUT/tune_${roles//,/_}.txt"
+}
+
 # sanitizer TOOL BACKEND [SHARD]: compute-sanitizer's TOOL (memcheck, racecheck, ...) over the smoke profile, or
 # its shard i/n (racecheck slows TLX launches so much that the whole profile outlasts one device call).
 stage_sanitizer() {
@@ -82,6 +92,7 @@ run_stage() {
   case $1 in
     premerge:*) IFS=: read -r _ gpus backends tag <<< "$1"; stage_premerge "$gpus" "${backends//,/ }" "$tag" ;;
     sanitizer:*) IFS=: read -r _ tool backend shard <<< "$1"; stage_sanitizer "$tool" "$backend" "$shard" ;;
+    tune:*) stage_tune "${1#tune:}" ;;
     *) "stage_${1//-/_}" ;;
   esac
 }
