@@ -10,7 +10,8 @@ import os
 import sys
 
 # name: (module, exit status of a usage error, summary). Only the chosen command's module is imported:
-# gate and bisect need torch (seconds to import), timeline and report do not.
+# gate and bisect run checks or kernels (torch, Triton, seconds to import); timeline reads JSON only; report
+# imports torch through verify.stats but runs nothing.
 COMMANDS = {
     "gate": ("verify.gate", 2, "compare a run with the stored baseline of its device (ratchet)"),
     # exit 2 would mark every commit bad under git bisect run; 128 aborts it (verify.bisect.ABORT)
