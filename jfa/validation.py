@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
 import torch
 
 from jfa.problem import Problem
@@ -54,19 +55,20 @@ def _check_offsets_tensor(name: str, offsets, device: torch.device) -> None:
         raise ValueError(f"{name} is on {offsets.device} but q is on {device}: all inputs must share a device")
 
 
-def _to_host(*offsets: torch.Tensor) -> list[torch.Tensor]:
-    """int64 host copies of checked offsets tensors, in one device-to-host copy."""
+def _to_host(*offsets: torch.Tensor) -> list[np.ndarray]:
+    """int64 host copies of checked offsets tensors, in one device-to-host copy (NumPy: the host-side checks
+    are a few small-array operations each, where torch's per-operation overhead would dominate)."""
     dtype = torch.int64 if any(t.dtype == torch.int64 for t in offsets) else torch.int32
-    joined = torch.cat([t.detach().to(dtype) for t in offsets]).to("cpu", torch.int64)
-    return list(torch.split(joined, [t.numel() for t in offsets]))
+    joined = torch.cat([t.detach().to(dtype) for t in offsets]).to("cpu", torch.int64).numpy()
+    return np.split(joined, np.cumsum([t.numel() for t in offsets[:-1]]))
 
 
-def _check_offsets_values(name: str, host: torch.Tensor, rows: int, rows_name: str) -> None:
+def _check_offsets_values(name: str, host: np.ndarray, rows: int, rows_name: str) -> None:
     if host[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {int(host[0])}")
-    steps = host[1:] - host[:-1]
-    if (steps < 0).any():
-        b = int(torch.nonzero(steps < 0)[0])
+    decreasing = np.flatnonzero(host[1:] < host[:-1])
+    if decreasing.size:
+        b = int(decreasing[0])
         raise ValueError(
             f"{name} must be non-decreasing, but {name}[{b + 1}] = {int(host[b + 1])} < "
             f"{name}[{b}] = {int(host[b])}"
@@ -134,19 +136,19 @@ def validate(
         _check_offsets_tensor("q_offsets", q_offsets, q.device)
         kv_host, q_host = _to_host(kv_offsets, q_offsets)
     _check_offsets_values("kv_offsets", kv_host, k.shape[0], "k and v")
-    batch = kv_host.numel() - 1
-    kv_lens = kv_host[1:] - kv_host[:-1]
+    batch = kv_host.size - 1
+    kv_lens = np.diff(kv_host)
     if broadcast_q:
-        q_lens = torch.full((batch,), q.shape[0], dtype=torch.int64)
-        q_host = torch.zeros(batch + 1, dtype=torch.int64)
+        q_lens = np.full(batch, q.shape[0], dtype=np.int64)
+        q_host = np.zeros(batch + 1, dtype=np.int64)
     else:
         _check_offsets_values("q_offsets", q_host, q.shape[0], "q")
-        if q_host.numel() != batch + 1:
+        if q_host.size != batch + 1:
             raise ValueError(
-                f"q_offsets has {q_host.numel() - 1} sequences but kv_offsets has {batch}: B must match"
+                f"q_offsets has {q_host.size - 1} sequences but kv_offsets has {batch}: B must match"
             )
-        q_lens = q_host[1:] - q_host[:-1]
-    out_host = torch.cat([q_lens.new_zeros(1), q_lens.cumsum(0)])
+        q_lens = np.diff(q_host)
+    out_host = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(q_lens)])
     if int(out_host[-1]) >= 2**31:
         raise ValueError(f"the output's {int(out_host[-1])} rows do not fit the int32 offsets kernels use")
 
@@ -182,7 +184,8 @@ def validate(
         dtype=q.dtype, device=q.device, sm_scale=sm_scale, window=window, causal=causal,
         broadcast_q=broadcast_q, deterministic=deterministic,
         q_offsets=q_device, out_offsets=out_device, kv_offsets=kv_device,
-        q_offsets_host=q_host, out_offsets_host=out_host, kv_offsets_host=kv_host,
-        q_lens=q_lens, kv_lens=kv_lens, max_q_len=max_q_len, max_kv_len=max_kv_len,
+        q_offsets_host=torch.from_numpy(q_host), out_offsets_host=torch.from_numpy(out_host),
+        kv_offsets_host=torch.from_numpy(kv_host), q_lens=torch.from_numpy(q_lens),
+        kv_lens=torch.from_numpy(kv_lens), max_q_len=max_q_len, max_kv_len=max_kv_len,
         q_rows=q.shape[0], out_rows=int(out_host[-1]), kv_rows=k.shape[0],
     )
