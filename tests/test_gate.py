@@ -270,3 +270,26 @@ def test_parts_are_read_under_the_environment_their_workers_recorded(tmp_path):
     (tmp_path / "results.jsonl.gw0.part").write_text(results.dumps(worker) + "\n")
     records = gate.read_run(tmp_path / "results.jsonl", backends=["emulator"])
     assert records == [dict(worker, backends=["emulator"]), crash]
+
+
+def test_source_digest_names_the_code_not_the_checkout(tmp_path):
+    """The digest follows the suite's and kernels' sources, whatever git says: equal for a copy elsewhere,
+    different after one byte of a kernel or of the corpus changes, blind to files outside its folders."""
+    def tree(root, kernel="x = 1\n"):
+        for folder in environment.SOURCE_DIRS:
+            (root / folder).mkdir(parents=True)
+            (root / folder / "__init__.py").write_text(f"# {folder}\n")
+        (root / "jfa" / "kernel.py").write_text(kernel)
+        (root / "fixtures" / "corpus.txt").write_text("uniform:0\n")
+        return root
+
+    first = environment.source_digest(tree(tmp_path / "a"))
+    assert environment.source_digest(tree(tmp_path / "b")) == first
+    assert environment.source_digest(tree(tmp_path / "c", kernel="x = 2\n")) != first
+    (tmp_path / "a" / "fixtures" / "corpus.txt").write_text("uniform:1\n")
+    assert environment.source_digest(tmp_path / "a") != first
+    (tmp_path / "b" / "README.md").write_text("not code")
+    (tmp_path / "b" / "verify" / "baselines").mkdir()
+    (tmp_path / "b" / "verify" / "baselines" / "cpu.json").write_text("{}")
+    assert environment.source_digest(tmp_path / "b") == first
+    assert environment.collect("cpu")["jfa_source"] == environment.source_digest()

@@ -1,8 +1,9 @@
-"""What produced a result: device, driver, CUDA, torch, triton (or fbtriton), jfa commit."""
+"""What produced a result: device, driver, CUDA, torch, triton (or fbtriton), jfa commit and source digest."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import platform
 import subprocess
 from pathlib import Path
@@ -20,6 +21,22 @@ def _git(*args: str) -> str | None:
                               check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+# The code a result depends on: the kernels, the reference, the fixtures (with the corpus) and the suite.
+SOURCE_DIRS = ("jfa", "reference", "fixtures", "verify")
+
+
+def source_digest(root: Path = REPO) -> str:
+    """12 hex digits of a sha256 over the .py and .txt files of SOURCE_DIRS (relative path and content, in
+    path order). It names the code a result came from where git cannot: a dirty tree has no commit, and a
+    GPU machine's copy of a working tree carries stale git metadata (H200 records named a commit hours older
+    than the code they ran)."""
+    digest = hashlib.sha256()
+    files = sorted(f for d in SOURCE_DIRS for pattern in ("*.py", "*.txt") for f in (root / d).rglob(pattern))
+    for path in files:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 def device_class(device: torch.device) -> str:
@@ -41,6 +58,7 @@ def collect(device_type: str) -> dict:
         "triton": triton.__version__,
         "jfa_commit": _git("rev-parse", "HEAD"),
         "jfa_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "jfa_source": source_digest(),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

@@ -262,7 +262,7 @@ def updated_entries(entries: dict, records: list[dict], comparison: Comparison, 
 
 # Output ----------------------------------------------------------------------------------------------------
 ENVIRONMENT_KEYS = ("device_class", "gpu", "capability", "driver", "cuda", "torch", "triton", "fbtriton",
-                    "python", "jfa_commit", "jfa_dirty", "profile", "backends")
+                    "python", "jfa_commit", "jfa_dirty", "jfa_source", "profile", "backends")
 
 
 def environment_table(run: dict, recorded: dict) -> str:
