@@ -114,3 +114,8 @@ run_group() {
 for stage in "$@"; do
   if [[ "$stage" == *+* ]]; then run_group "$stage"; else run_stage "$stage"; fi
 done
+
+# PACK=1: everything under $OUT in one archive (the device tool brings back only a few files per call).
+if [ -n "${PACK:-}" ]; then
+  tar czf /tmp/session.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/session.tgz "$OUT/"
+fi
