@@ -2,8 +2,8 @@
 # The GPU work of a session on the lent H200 machine(s), in stages, each writing under $OUT:
 #   bash scripts/gpu_session.sh STAGE [STAGE ...]
 # Stages: env, triton-selftest, tlx-selftest, premerge:GPUS:BACKENDS:TAG, bench, tune:ROLES,
-# sanitizer:TOOL:BACKEND[:i/n], repeat. A group STAGE+STAGE+... runs its stages at once, the i-th on GPU i mod (the GPUs present), e.g. the
-# shards of a sanitizer run spread over a multi-GPU machine.
+# sanitizer:TOOL:BACKEND[:i/n], repeat. A group STAGE+STAGE+... runs its stages at once, the i-th on GPU
+# i mod (the GPUs present), e.g. the shards of a sanitizer run spread over a multi-GPU machine.
 # The machine has no package registry: run from the carried tree (PYTHONPATH) and carry
 # fbtriton in .carry for the tlx stages (../shared/device/README.md); a stage naming the tlx backend, and
 # bench, run with fbtriton first on the path (it replaces triton, so the triton backend then runs on it too).
@@ -66,11 +66,11 @@ stage_bench() {
 # tune ROLES: python -m jfa.triton.tune over the comma-separated kernel roles (TUNE_ARGS: e.g. --head-dim 64),
 # on stock triton, the backend's own; two groups of roles fit one call as a group, one GPU each.
 stage_tune() {
-  local roles=$1
+  local roles=$1 name=tune_${1//,/_}
   timeout ${TUNE_TIMEOUT:-540} python3 -m jfa.triton.tune --roles ${roles//,/ } --iters 5 ${TUNE_ARGS:-} \
-    --json "$OUT/tune_${roles//,/_}.json" > "$OUT/tune_${roles//,/_}.txt" 2>&1
+    --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
   echo "tune $roles: exit $?" | tee -a "$OUT/timings.txt"
-  tail -n 60 "$OUT/tune_${roles//,/_}.txt"
+  tail -n 60 "$OUT/$name.txt"
 }
 
 # sanitizer TOOL BACKEND [SHARD]: compute-sanitizer's TOOL (memcheck, racecheck, ...) over the smoke profile, or

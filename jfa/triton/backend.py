@@ -153,14 +153,15 @@ def schedule_mode() -> int:
     return ts.SCHEDULES[name]
 
 
-def _pow2(n: int) -> int:
+def padded_dim(n: int) -> int:
+    """A head dim as the kernels tile it: the next power of two, at least 16 (tl.dot's smallest tile)."""
     return 1 << max(4, (n - 1).bit_length())
 
 
 def config_for(problem: Problem) -> BackendConfig:
     if _config_override is not None:
         return _config_override
-    return gpu_config(max(_pow2(problem.head_dim), _pow2(problem.head_dim_v)))
+    return gpu_config(max(padded_dim(problem.head_dim), padded_dim(problem.head_dim_v)))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -267,7 +268,7 @@ def _common(problem: Problem) -> dict:
         q_offsets=problem.q_offsets, out_offsets=problem.out_offsets, kv_offsets=problem.kv_offsets,
         scale_log2=max(abs(scale) * LOG2E, MIN_SCALE_LOG2), window=effective_window(problem),
         group=problem.group_size, HEAD_DIM=problem.head_dim, HEAD_DIM_V=problem.head_dim_v,
-        BLOCK_D=_pow2(problem.head_dim), BLOCK_DV=_pow2(problem.head_dim_v),
+        BLOCK_D=padded_dim(problem.head_dim), BLOCK_DV=padded_dim(problem.head_dim_v),
         NEG_SCALE=scale < 0, HAS_WINDOW=problem.window is not None, CAUSAL=problem.causal,
         INTERPRET=interpreting(),
     )
@@ -452,5 +453,5 @@ class TritonBackend:
 
 BACKEND = TritonBackend()
 
-__all__ = ["BACKEND", "SMALL_BLOCKS", "BackendConfig", "KernelConfig", "config_for", "gpu_config", "set_config",
-           "set_schedule"]
+__all__ = ["BACKEND", "SMALL_BLOCKS", "BackendConfig", "KernelConfig", "config_for", "gpu_config", "padded_dim",
+           "set_config", "set_schedule"]

@@ -436,18 +436,16 @@ def compile_check(quick: bool = False, arch: int = 90) -> bool:
               f"smem {k.metadata.shared:>6d}  ({time.perf_counter() - start:.1f}s)")
         return True
 
-    def pow2(n):
-        return 1 << max(4, (n - 1).bit_length())
-
     ok = True
     dims = [(128, 128)] if quick else [(128, 128), (64, 64), (80, 80), (96, 96), (192, 192), (256, 256), (128, 64),
                                        (8, 24)]
     masks = [(True, True)] if quick else [(False, False), (True, True)]
     for d, dv in dims:
-        cfg = backend.gpu_config(max(pow2(d), pow2(dv)))
+        block_d, block_dv = backend.padded_dim(d), backend.padded_dim(dv)
+        cfg = backend.gpu_config(max(block_d, block_dv))
         for dt in (("bf16",) if quick or (d, dv) != (128, 128) else ("bf16", "fp16")):
             for causal, window in masks:
-                common = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=pow2(d), BLOCK_DV=pow2(dv), NEG_SCALE=False,
+                common = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, NEG_SCALE=False,
                               HAS_WINDOW=window, CAUSAL=causal, SCHEDULE=1, INTERPRET=False)
                 tag = f"D{d}/{dv} {dt} causal={int(causal)} window={int(window)}"
                 ptr = {n: dt for n in ("Q", "K", "V", "Out", "DOut", "DK", "DV")}

@@ -44,7 +44,8 @@ import time
 
 from jfa import tile_scheduler as ts
 from jfa.bench import ROWS, environment, row_inputs
-from jfa.triton.backend import KernelConfig, gpu_config, interpreting, set_config
+from jfa.triton.backend import KernelConfig, gpu_config, interpreting, padded_dim, set_config
+from jfa.validation import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM
 
 ROLES = ("fwd", "dq", "dkv", "packed_fwd", "packed_bwd")
 # The kernel each role's config drives (jfa/triton/forward.py, backward.py); broadcast-Q adds the reduction.
@@ -479,8 +480,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write every figure and the environment here")
     parser.add_argument("--warm", help=argparse.SUPPRESS)  # i/n: be warm-up worker i of n
     args = parser.parse_args(argv)
-    if not (8 <= args.head_dim <= 256 and args.head_dim % 8 == 0):
-        parser.error("--head-dim must be a multiple of 8 from 8 to 256")
+    if not (HEAD_DIM_MULTIPLE <= args.head_dim <= MAX_HEAD_DIM and args.head_dim % HEAD_DIM_MULTIPLE == 0):
+        parser.error(f"--head-dim must be a multiple of {HEAD_DIM_MULTIPLE} from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM}")
     args.rows = [row for row in ROWS if row in args.rows]
     args.roles = [role for role in ROLES if role in args.roles]
 
@@ -494,7 +495,7 @@ def main(argv=None) -> int:
         return 2
     os.environ["JFA_TRITON_AUTOTUNE"] = "0"  # the shipped config runs at its first num_stages, as it ships
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    block_d = 1 << max(4, (args.head_dim - 1).bit_length())  # padded as jfa.triton.backend pads it
+    block_d = padded_dim(args.head_dim)
     if args.warm:
         index, jobs = (int(x) for x in args.warm.split("/"))
         return _warm_worker(args, index, jobs, block_d, dtype)
