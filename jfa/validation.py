@@ -4,9 +4,9 @@ Errors name the argument and the rule. Nothing the caller passed is modified: th
 int32 copies of the offsets.
 
 The host needs the offsets' values (every rule about them, and the tile schedule), which costs one
-device-to-host copy and a wait for the device per call: both offsets travel in one copy. The kernels' int32
-offsets are made on the device from the caller's tensors (a device-to-device copy, or a fill with
-broadcast_q), not uploaded from the host copies, which would cost a host-to-device copy each.
+device-to-host copy and a wait for the device per call. Whatever the device then waits for is host work
+after that wait, so it is kept small: both offsets are joined on the device in one new tensor, which travels
+to the host in one copy and whose halves (int32) become the kernels' own offsets (no further uploads).
 """
 
 from __future__ import annotations
@@ -55,20 +55,33 @@ def _check_offsets_tensor(name: str, offsets, device: torch.device) -> None:
         raise ValueError(f"{name} is on {offsets.device} but q is on {device}: all inputs must share a device")
 
 
-def _to_host(*offsets: torch.Tensor) -> list[np.ndarray]:
-    """int64 host copies of checked offsets tensors, in one device-to-host copy (NumPy: the host-side checks
-    are a few small-array operations each, where torch's per-operation overhead would dominate)."""
-    dtype = torch.int64 if any(t.dtype == torch.int64 for t in offsets) else torch.int32
-    joined = torch.cat([t.detach().to(dtype) for t in offsets]).to("cpu", torch.int64).numpy()
-    return np.split(joined, np.cumsum([t.numel() for t in offsets[:-1]]))
+def _to_host(*offsets: torch.Tensor) -> tuple[torch.Tensor, list[np.ndarray]]:
+    """Checked offsets tensors joined on the device (one tensor, the caller's ones untouched), and their int64
+    host copies, from one device-to-host copy."""
+    joined = torch.cat([t.detach() for t in offsets]) if len(offsets) > 1 else offsets[0].detach()
+    host = joined.cpu().numpy().astype(np.int64)
+    first = offsets[0].numel()
+    return joined, [host[:first], host[first:]] if len(offsets) > 1 else [host]
 
 
-def _check_offsets_values(name: str, host: np.ndarray, rows: int, rows_name: str) -> None:
+def _kernel_offsets(joined: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """The kernels' int32 offsets, once every rule holds: views of one new device tensor (the joined one, or
+    a copy when it is the caller's own tensor; int64 is narrowed only now, so that a value beyond int32 failed
+    its rule instead of wrapping into a valid one)."""
+    if joined.dtype != torch.int32:
+        joined = joined.to(torch.int32)
+    elif len(sizes) == 1:
+        joined = joined.clone()
+    return list(torch.split(joined, sizes))
+
+
+def _check_offsets_values(name: str, host: np.ndarray, rows: int, rows_name: str) -> np.ndarray:
+    """Checks offsets' host values and returns the sequence lengths."""
     if host[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {int(host[0])}")
-    decreasing = np.flatnonzero(host[1:] < host[:-1])
-    if decreasing.size:
-        b = int(decreasing[0])
+    lens = np.diff(host)
+    if lens.size and lens.min() < 0:
+        b = int(np.flatnonzero(lens < 0)[0])
         raise ValueError(
             f"{name} must be non-decreasing, but {name}[{b + 1}] = {int(host[b + 1])} < "
             f"{name}[{b}] = {int(host[b])}"
@@ -77,11 +90,7 @@ def _check_offsets_values(name: str, host: np.ndarray, rows: int, rows_name: str
         raise ValueError(f"{name}[-1] = {int(host[-1])} must equal the number of {rows_name} rows, {rows}")
     if rows >= 2**31:
         raise ValueError(f"{name}[-1] = {rows} does not fit the int32 offsets kernels use")
-
-
-def _device_copy(offsets: torch.Tensor) -> torch.Tensor:
-    """The kernels' int32 offsets: a new contiguous tensor on the caller's device."""
-    return torch.empty(offsets.shape, dtype=torch.int32, device=offsets.device).copy_(offsets)
+    return lens
 
 
 def _check_max_len(name: str, value, real: int) -> int:
@@ -129,26 +138,25 @@ def validate(
     if broadcast_q:
         if q_offsets is not None:
             raise ValueError("q_offsets must be None with broadcast_q=True: q is one shared query sequence")
-        (kv_host,) = _to_host(kv_offsets)
+        joined, (kv_host,) = _to_host(kv_offsets)
     else:
         if q_offsets is None:
             raise ValueError("q_offsets is required unless broadcast_q=True")
         _check_offsets_tensor("q_offsets", q_offsets, q.device)
-        kv_host, q_host = _to_host(kv_offsets, q_offsets)
-    _check_offsets_values("kv_offsets", kv_host, k.shape[0], "k and v")
+        joined, (kv_host, q_host) = _to_host(kv_offsets, q_offsets)
+    kv_lens = _check_offsets_values("kv_offsets", kv_host, k.shape[0], "k and v")
     batch = kv_host.size - 1
-    kv_lens = np.diff(kv_host)
     if broadcast_q:
         q_lens = np.full(batch, q.shape[0], dtype=np.int64)
         q_host = np.zeros(batch + 1, dtype=np.int64)
+        out_host = np.arange(batch + 1, dtype=np.int64) * q.shape[0]
     else:
-        _check_offsets_values("q_offsets", q_host, q.shape[0], "q")
+        q_lens = _check_offsets_values("q_offsets", q_host, q.shape[0], "q")
         if q_host.size != batch + 1:
             raise ValueError(
                 f"q_offsets has {q_host.size - 1} sequences but kv_offsets has {batch}: B must match"
             )
-        q_lens = np.diff(q_host)
-    out_host = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(q_lens)])
+        out_host = q_host
     if int(out_host[-1]) >= 2**31:
         raise ValueError(f"the output's {int(out_host[-1])} rows do not fit the int32 offsets kernels use")
 
@@ -174,11 +182,12 @@ def validate(
 
     # Every rule holds: the kernels' offsets, made on the device.
     if broadcast_q:
+        (kv_device,) = _kernel_offsets(joined, [batch + 1])
         q_device = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
         out_device = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * q.shape[0]
     else:
-        q_device = out_device = _device_copy(q_offsets)
-    kv_device = _device_copy(kv_offsets)
+        kv_device, q_device = _kernel_offsets(joined, [batch + 1, q_host.size])
+        out_device = q_device
     return Problem(
         batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, head_dim_v=head_dim_v,
         dtype=q.dtype, device=q.device, sm_scale=sm_scale, window=window, causal=causal,

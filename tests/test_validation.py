@@ -52,6 +52,9 @@ BAD = [
     # (description, changes, error type, words the message must contain)
     ("decreasing offsets", dict(q_offsets=torch.tensor([0, 3, 2, 5], dtype=torch.int32)), ValueError,
      ["q_offsets", "non-decreasing"]),
+    # int64 values beyond int32 that would wrap to valid ones ([0, 3, 3, 5]) if narrowed before the checks
+    ("int64 offsets beyond int32", dict(q_offsets=torch.tensor([0, 3 + 2**32, 3, 5], dtype=torch.int64)),
+     ValueError, ["q_offsets", "non-decreasing"]),
     ("first offset not 0", dict(kv_offsets=torch.tensor([1, 4, 6, 6], dtype=torch.int32)), ValueError,
      ["kv_offsets[0]", "0"]),
     ("last offset not rows", dict(q_offsets=torch.tensor([0, 3, 3, 4], dtype=torch.int32)), ValueError,
@@ -156,6 +159,11 @@ def test_broadcast_offsets_are_made_for_the_kernels():
     assert problem.q_offsets.tolist() == [0, 0, 0, 0]  # every sequence reads the one shared q
     assert problem.out_offsets.tolist() == [0, 5, 10, 15] == problem.out_offsets_host.tolist()
     assert problem.q_offsets.dtype == problem.out_offsets.dtype == torch.int32
+    kv_off = offsets([3, 0, 4])
+    problem = validate(q, k, k, None, kv_off, max_q_len=None, max_kv_len=None, sm_scale=None,
+                       window=None, causal=False, broadcast_q=True, deterministic=False)
+    kv_off.zero_()  # the kernels' kv offsets are a copy, not the caller's tensor
+    assert problem.kv_offsets.tolist() == [0, 3, 3, 7]
 
 
 def test_valid_edge_cases_are_accepted(recorder):
