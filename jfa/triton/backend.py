@@ -26,6 +26,7 @@ the backward, tile tables (O(T) int32) and, with broadcast_q, fp32 dq partials (
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ class BackendConfig:
     packed_bwd: KernelConfig
 
 
+@functools.cache  # per call otherwise: five dataclasses built in the host time the GPU waits for
 def gpu_config(block_d: int) -> BackendConfig:
     """Block configs for the H100/H200 by padded head dim (see the module docstring).
 
@@ -88,13 +90,15 @@ def gpu_config(block_d: int) -> BackendConfig:
     (2026-11-30, triton 3.6; kernel time over jfa.bench's rows): dq at 3 stages instead of 2, 0.80x the
     time; dkv 32x64 with 4 warps, two per SM, instead of 32x128 with 8, 0.89x (0.88x on each of gem, long
     and skew); packed_bwd with 4 warps, two per SM, 0.60x on the tiny row. fwd and packed_fwd were fastest
-    as shipped (within 1%).
+    as shipped (within 1%). The <= 64 class's fwd, dq and dkv were retimed the same way (2026-11-30, head
+    dim 64, rows gem, long and skew): four warps, two programs per SM, at 0.90x (fwd 64x64), 0.59x (dq 64x64)
+    and 0.77x (dkv 32x128) of the 8-warp configs they replace; its packed configs were not retimed.
     """
     if block_d <= 64:
         return BackendConfig(
-            fwd=KernelConfig(128, 64, 8, (3, 2, 4)),
-            dq=KernelConfig(128, 64, 8, (2, 3)),
-            dkv=KernelConfig(32, 128, 8, (3, 2)),
+            fwd=KernelConfig(64, 64, 4, (4, 3), resident=2),
+            dq=KernelConfig(64, 64, 4, (3, 2), resident=2),
+            dkv=KernelConfig(32, 128, 4, (2, 3), resident=2),
             packed_fwd=KernelConfig(64, 64, 4, (2, 1), resident=2),
             packed_bwd=KernelConfig(64, 64, 8, (2, 1)),
         )
