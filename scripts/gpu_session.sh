@@ -54,13 +54,14 @@ stage_premerge() {
   grep -E "^(FAILED|ERROR)|crashed|INTERNALERROR" /tmp/jfa/$tag.log | head -n 80 > "$OUT/$tag.failures.txt"
 }
 
-# bench: the jfa kernels with fbtriton first on the path (tlx needs it), then flex on stock triton (Inductor's
-# generated kernels do not load under fbtriton), each beside torch-varlen for its ratios.
+# bench: the Triton kernels on stock triton (their own runtime) beside torch-varlen and flex in one run, then
+# tlx with fbtriton first on the path (triton again there, for comparison) beside torch-varlen for its ratios
+# (Inductor's generated kernels, flex's, do not load under fbtriton).
 stage_bench() {
-  with_fbtriton timeout ${BENCH_TIMEOUT:-240} python3 -m jfa.bench --backends triton tlx torch-varlen ${BENCH_ARGS:-} \
+  timeout ${BENCH_TIMEOUT:-300} python3 -m jfa.bench --backends triton torch-varlen flex ${BENCH_ARGS:-} \
     --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
-  timeout ${BENCH_TIMEOUT:-240} python3 -m jfa.bench --backends torch-varlen flex ${BENCH_ARGS:-} \
-    --json "$OUT/bench_flex.json" 2>&1 | tee "$OUT/bench_flex.txt"
+  with_fbtriton timeout ${BENCH_TIMEOUT:-300} python3 -m jfa.bench --backends tlx triton torch-varlen ${BENCH_ARGS:-} \
+    --json "$OUT/bench_tlx.json" 2>&1 | tee "$OUT/bench_tlx.txt"
 }
 
 # tune ROLES: python -m jfa.triton.tune over the comma-separated kernel roles (TUNE_ARGS: e.g. --head-dim 64),
