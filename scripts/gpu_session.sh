@@ -6,7 +6,8 @@
 # i mod (the GPUs present), e.g. the shards of a sanitizer run spread over a multi-GPU machine.
 # The machine has no package registry: run from the carried tree (PYTHONPATH) and carry
 # fbtriton in .carry for the tlx stages (../shared/device/README.md); a stage naming the tlx backend, and
-# bench, run with fbtriton first on the path (it replaces triton, so the triton backend then runs on it too).
+# bench's second run, run with fbtriton first on the path (it replaces triton: the triton backend then runs
+# on it too).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
