@@ -434,3 +434,14 @@ def test_in_subprocess():
         cwd=root, env=env, capture_output=True, text=True, timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def test_compile_check_head_dims_option():
+    """`gpu_selftest --compile-only --head-dims` compiles only the classes named, as (D, Dv) pairs."""
+    from jfa.triton.gpu_selftest import parse_head_dims
+
+    assert parse_head_dims([]) is None
+    assert parse_head_dims(["256", "192/128"]) == [(256, 256), (192, 128)]
+    for bad in ("256/128/64", "d256", "128/"):
+        with pytest.raises(ValueError, match="D or D/DV"):
+            parse_head_dims([bad])

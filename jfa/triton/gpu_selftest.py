@@ -11,7 +11,8 @@ compilations overlap; autotuning is off unless --autotune (it would add a benchm
 
 `--compile-only` needs no GPU: it compiles every kernel variant for sm_90 with the installed triton and
 prints ptxas registers, spill bytes and shared memory per kernel (a CPU-side check that the kernel source
-compiles on the GPU machine's triton version and keeps its register budget).
+compiles on the GPU machine's triton version and keeps its register budget); `--head-dims 256 192/128` limits
+it to those head dims (the config class just retuned).
 """
 
 from __future__ import annotations
@@ -373,8 +374,20 @@ def _check_invariance(spec, q, k, v, dout, kw, batch, device):
 # Compile-only check (no GPU)
 
 
-def compile_check(quick: bool = False, arch: int = 90) -> bool:
-    """Compiles every kernel variant for sm_<arch> with this triton; prints ptxas registers and spills."""
+def parse_head_dims(specs: list[str]) -> list[tuple[int, int]] | None:
+    """'D' or 'D/DV' per spec as (D, Dv) pairs; None for no specs (every class)."""
+    pairs = []
+    for spec in specs:
+        parts = spec.split("/")
+        if len(parts) > 2 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"--head-dims takes D or D/DV, got {spec!r}")
+        pairs.append((int(parts[0]), int(parts[-1])))
+    return pairs or None
+
+
+def compile_check(quick: bool = False, arch: int = 90, head_dims: list[tuple[int, int]] | None = None) -> bool:
+    """Compiles every kernel variant for sm_<arch> with this triton; prints ptxas registers and spills.
+    head_dims: only these (D, Dv) pairs (e.g. the config class just retuned), both masks."""
     import re
     import tempfile
 
@@ -437,8 +450,8 @@ def compile_check(quick: bool = False, arch: int = 90) -> bool:
         return True
 
     ok = True
-    dims = [(128, 128)] if quick else [(128, 128), (64, 64), (80, 80), (96, 96), (192, 192), (256, 256), (128, 64),
-                                       (8, 24)]
+    dims = head_dims or ([(128, 128)] if quick else [(128, 128), (64, 64), (80, 80), (96, 96), (192, 192),
+                                                      (256, 256), (128, 64), (8, 24)])
     masks = [(True, True)] if quick else [(False, False), (True, True)]
     for d, dv in dims:
         block_d, block_dv = backend.padded_dim(d), backend.padded_dim(dv)
@@ -524,6 +537,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile-only", action="store_true", help="compile for sm_90 (no GPU needed)")
     parser.add_argument("--quick", action="store_true", help="with --compile-only: head dim 128 only")
+    parser.add_argument("--head-dims", nargs="+", metavar="D[/DV]",
+                        help="with --compile-only: only these head dims (e.g. 192 256/128)")
     parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="worker processes")
     parser.add_argument("--autotune", action="store_true", help="keep triton.autotune on (slower)")
     parser.add_argument("--case", action="append", help="run only these cases (repeatable)")
@@ -533,7 +548,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if args.compile_only:
-        return 0 if compile_check(args.quick) else 1
+        try:
+            dims = parse_head_dims(args.head_dims or [])
+        except ValueError as error:
+            parser.error(str(error))
+        return 0 if compile_check(args.quick, head_dims=dims) else 1
     if not args.autotune:
         os.environ.setdefault("JFA_TRITON_AUTOTUNE", "0")
     if args.worker:
