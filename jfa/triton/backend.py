@@ -81,18 +81,22 @@ class BackendConfig:
 def gpu_config(block_d: int) -> BackendConfig:
     """Block configs for the H100/H200 by padded head dim (see the module docstring).
 
-    Chosen so that `ptxas` (sm_90a, triton 3.6) reports no or almost no register spills (checked on a CPU
-    with `python -m jfa.triton.gpu_selftest --compile-only`); the ordinary dK/dV kernel keeps ~200-450
-    bytes of spill at head dims 80-128 in every shape tried (the dk and dv accumulators plus the transposed
-    score tile and its per-column statistics). `resident` follows from the registers and shared memory
-    ptxas reports (65,536 registers and 228 KiB per SM): two 4-warp programs of <= 255 registers fit.
+    First chosen so that `ptxas` (sm_90a) reported no or almost no register spills (checked on a CPU with
+    `python -m jfa.triton.gpu_selftest --compile-only`), then retimed (below), which decides: the ordinary
+    dK/dV kernel keeps ~200-450 bytes of spill at head dims 80-128 in every shape tried (the dk and dv
+    accumulators plus the transposed score tile and its per-column statistics), and above 128 every retimed
+    kernel spills 240-640 bytes yet runs 2-3x faster than the spill-free configs it replaced. `resident`
+    follows from the registers and shared memory ptxas reports (65,536 registers and 228 KiB per SM): two
+    4-warp programs of <= 255 registers fit.
     The <= 128 class's dq, dkv and packed_bwd were retimed on the H200 with `python -m jfa.triton.tune`
     (2026-11-30, triton 3.6; kernel time over jfa.bench's rows): dq at 3 stages instead of 2, 0.80x the
     time; dkv 32x64 with 4 warps, two per SM, instead of 32x128 with 8, 0.89x (0.88x on each of gem, long
     and skew); packed_bwd with 4 warps, two per SM, 0.60x on the tiny row. fwd and packed_fwd were fastest
     as shipped (within 1%). The <= 64 class's fwd, dq and dkv were retimed the same way (2026-11-30, head
     dim 64, rows gem, long and skew): four warps, two programs per SM, at 0.90x (fwd 64x64), 0.59x (dq 64x64)
-    and 0.77x (dkv 32x128) of the 8-warp configs they replace; its packed configs were not retimed.
+    and 0.77x (dkv 32x128) of the 8-warp configs they replace; its packed configs were not retimed. So were
+    the <= 256 class's (head dim 256, rows gem and long): fwd 64x32 with 4 warps at 3 stages 0.55x, dq 64x64
+    0.46x, dkv 32x32 with 4 warps, two per SM (68 KiB of shared memory each), 0.32x; packed not retimed.
     """
     if block_d <= 64:
         return BackendConfig(
@@ -111,9 +115,9 @@ def gpu_config(block_d: int) -> BackendConfig:
             packed_bwd=KernelConfig(32, 32, 4, (1,), resident=2),
         )
     return BackendConfig(
-        fwd=KernelConfig(64, 32, 8, (2,)),
-        dq=KernelConfig(64, 16, 8, (2,)),
-        dkv=KernelConfig(16, 32, 8, (2,)),
+        fwd=KernelConfig(64, 32, 4, (3, 2)),
+        dq=KernelConfig(64, 64, 8, (2,)),
+        dkv=KernelConfig(32, 32, 4, (2, 3), resident=2),
         packed_fwd=KernelConfig(64, 64, 8, (2, 1)),
         packed_bwd=KernelConfig(32, 32, 8, (1,)),
     )
