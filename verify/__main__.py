@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
+
+from verify import devices
 
 # name: (module, exit status of a usage error, summary). Only the chosen command's module is imported:
 # gate and bisect run checks or kernels (torch, Triton, seconds to import); timeline reads JSON only; report
@@ -20,17 +21,6 @@ COMMANDS = {
     "timeline": ("verify.timeline", 2, "where a run's wall time went, per xdist worker"),
 }
 NEEDS_TORCH = ("gate", "bisect")
-
-
-def _prepare_torch() -> None:
-    """As verify/session.py: NVML answers whether a GPU exists without initialising CUDA, and on a CPU the
-    Triton interpreter must be chosen before anything imports triton (jfa.mask does), for `bisect --config`,
-    which runs kernels in this process."""
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 class Parser(argparse.ArgumentParser):
@@ -62,7 +52,7 @@ def parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         module = None
         if name == chosen:
             if name in NEEDS_TORCH:
-                _prepare_torch()
+                devices.choose_kernel_runtime()  # bisect --config runs kernels in this process
             module = importlib.import_module(module_name)
         sub = commands.add_parser(name, help=summary, description=module.__doc__ if module else summary,
                                   error_status=error_status, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -37,6 +37,17 @@ def nvml_driver_version() -> str | None:
     return version.value.decode()
 
 
+def choose_kernel_runtime() -> None:
+    """Before anything imports triton (jfa.mask does): on a machine without a usable GPU, the Triton kernels
+    run under the interpreter, which triton.jit picks when it decorates a function. torch answers through
+    NVML, which leaves CUDA uninitialised (a worker may still pin its GPU afterwards); it imports torch."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def visible_devices(environ=os.environ, device_count: int | None = None) -> list[str]:
     """The GPUs this host may use: CUDA_VISIBLE_DEVICES if set, else 0..device_count-1."""
     listed = environ.get("CUDA_VISIBLE_DEVICES")

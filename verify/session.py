@@ -10,18 +10,15 @@ import os
 import time
 from pathlib import Path
 
-import torch
+from verify import devices
 
-# On a CPU, Triton kernels run under the interpreter, which is chosen when triton.jit decorates a function:
-# set it before anything imports triton. (The conftest has pinned this process's GPU and asked torch to
-# use NVML, so this initialises no CUDA context.)
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+devices.choose_kernel_runtime()  # the conftest has pinned this process's GPU already
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from fixtures import case_from_id, profile_case_ids  # noqa: E402
-from verify import devices, environment, results, timeline  # noqa: E402
+from verify import environment, results, timeline  # noqa: E402
 from verify.checks import TESTS, backend_fn, check_case  # noqa: E402
 from verify.runner import BackendCrash  # noqa: E402
 
