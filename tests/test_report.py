@@ -91,3 +91,20 @@ def test_two_device_classes_are_merged_side_by_side(records, tmp_path):
     assert len(images(page)) == 4 + 1 + 1
     summary = page.split('id="summary"')[1].split("</table>")[0]
     assert "emulator@nvidia-h200" in summary and "emulator@cpu-interpreter" in summary
+
+
+def test_the_report_command_imports_no_torch(records, tmp_path):
+    """`python -m verify report` reads results files: the checks' thresholds it shows come from
+    verify.limits, not through verify.stats, so it pays no torch import."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = write(tmp_path / "results.jsonl", records)
+    output = tmp_path / "report.html"
+    code = ("import sys\nfrom verify.__main__ import main\nstatus = main(['report', sys.argv[1], '-o', sys.argv[2]])\n"
+            "print(status, sorted(m for m in ('torch', 'triton', 'jfa') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, str(path), str(output)], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "0 []", done.stdout + done.stderr
+    assert "uniform:0" in output.read_text()

@@ -11,8 +11,8 @@ import sys
 from verify import devices
 
 # name: (module, exit status of a usage error, summary). Only the chosen command's module is imported:
-# gate and bisect run checks or kernels (torch, Triton, seconds to import); timeline reads JSON only; report
-# imports torch through verify.stats but runs nothing.
+# gate and bisect run checks or kernels (torch, Triton, seconds to import); timeline and report read results
+# files only (no torch).
 COMMANDS = {
     "gate": ("verify.gate", 2, "compare a run with the stored baseline of its device (ratchet)"),
     # exit 2 would mark every commit bad under git bisect run; 128 aborts it (verify.bisect.ABORT)

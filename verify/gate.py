@@ -51,7 +51,7 @@ FORMAT = "jfa-baseline/1"
 # Hence factor 2 for the max statistics (above 1.74, 1.56, 1.65) and 10 for rel_l2 (above 8); the slacks keep
 # near-zero values from failing on noise and are far below what a bug moves: 0.05 of bound ratio (2.5% of
 # BOUND_LIMIT), 0.01 of baseline ratio (1% of its limit), 1 ulp, u = 2^-8 of relative L2 (one extra bf16
-# rounding of elements that were exact), and 0.01 of |bias| (a third of stats.BIAS_FLOOR; truncating P moves
+# rounding of elements that were exact), and 0.01 of |bias| (a third of limits.BIAS_FLOOR; truncating P moves
 # it by 0.07-0.10). Most of the band any of these changes used: rel_l2 78%, max_ulp 62%, baseline_ratio 54%,
 # bound_ratio 36%, |bias| 29%. Every planted bug of tests/planted.py still fails (tests/test_gate.py).
 TOLERANCE = {

@@ -19,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from verify import results
-from verify.stats import BOUND_LIMIT, ULP_BINS
+from verify.limits import BOUND_LIMIT, ULP_BINS
 
 TENSORS = ("out", "lse", "dq", "dk", "dv")
 SECTIONS = (("environment", "Environment"), ("summary", "Summary"),
