@@ -445,3 +445,28 @@ def test_compile_check_head_dims_option():
     for bad in ("256/128/64", "d256", "128/"):
         with pytest.raises(ValueError, match="D or D/DV"):
             parse_head_dims([bad])
+
+
+# The fewest registers per thread ptxas reports for an ordinary (fwd, dq, dkv) kernel at any head-dim class
+# (`python -m jfa.triton.gpu_selftest --compile-only`, triton 3.9 and fbtriton 3.7.4, 2026-11-30: 145-255,
+# except fbtriton's D 256 dK/dV at 32). Packed kernels use fewer at small head dims, so they are not bound here.
+MIN_ORDINARY_REGISTERS = 145
+
+
+@pytest.mark.parametrize("block_d", [16, 32, 64, 128, 256])
+def test_shipped_configs_are_well_formed(block_d):
+    """Every shipped config: power-of-two blocks of at least 16 (tl.dot's smallest tile), square packed tiles
+    (slots are 16-aligned on both sides), and, for the ordinary kernels, no more programs per SM than its
+    65,536 registers hold: static zigzag dealing assumes every program of the persistent grid runs at once."""
+    from jfa.triton.backend import gpu_config
+
+    config = gpu_config(block_d)
+    for role in ("fwd", "dq", "dkv", "packed_fwd", "packed_bwd"):
+        cfg = getattr(config, role)
+        for block in (cfg.block_m, cfg.block_n):
+            assert block >= 16 and block & (block - 1) == 0, (role, cfg)
+        assert cfg.stages and all(s >= 1 for s in cfg.stages), (role, cfg)
+        if role.startswith("packed"):
+            assert cfg.block_m == cfg.block_n, (role, cfg)
+        else:
+            assert cfg.resident <= 65536 // (cfg.num_warps * 32 * MIN_ORDINARY_REGISTERS), (role, cfg)
