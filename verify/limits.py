@@ -1,5 +1,5 @@
-"""The thresholds of the checks in verify.stats (documented there), apart from it so that readers of results
-files (`python -m verify report`) need no torch."""
+"""The thresholds of verify.stats' checks (the checks are described there) with their derivations, apart from
+it so that readers of results files (`python -m verify report`) need no torch."""
 
 from __future__ import annotations
 
