@@ -18,6 +18,14 @@ below are the host reference the tests compare against):
   Hopper stand-in for Blackwell's Cluster Launch Control): greedy longest-processing-time-first;
 - GRID: one program per tile (no persistence), hardware block order.
 
+Short-query sequences (backward only): a sequence with 1 <= q_len <= short block and more than a packed
+tile's worth of rows or keys, when each key/value head serves one query head (no GQA), gets one tile per
+(sequence, head) in the `short_bwd` table, sorted by the key blocks it visits: its program holds every
+query row at once and does the whole backward in one pass over the keys (dK and dV of each key block are
+final after it; dQ stays in registers), instead of a dQ tile plus a dK/dV tile per key block. With GQA a
+key block's dK and dV sum over the group's heads, whose dQs could not all stay in registers, so those
+sequences keep the two passes. Like packing, the choice depends on a sequence's own lengths only.
+
 Tiny sequences are packed: a sequence with 0 < max(q_len, kv_len) <= pack_block goes into a packed tile
 (pack_block × pack_block) of slot size S = 16, 32, ... (the smallest power of two >= 16 holding both of
 its lengths); a tile holds pack_block // S sequences of the same S, each at rows and keys
@@ -189,24 +197,40 @@ class Schedule:
     fwd: TileTable
     dq: TileTable
     dkv: TileTable
+    short_bwd: TileTable
     packed_fwd: PackTable
     packed_bwd: PackTable
     profile: int
 
 
+def split_short_queries(q_lens, seqs, short_block: int, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """The listed sequences split into (two-pass, short-query): short when 1 <= q_len <= short_block and
+    group == 1 (short_block 0: none). Sequences without queries stay two-pass: their keys' zero dK and dV are
+    written by key tiles."""
+    q_lens, seqs = _as_int64(q_lens), _as_int64(seqs)
+    if short_block <= 0 or group != 1:
+        return seqs, seqs[:0]
+    short = (q_lens[seqs] >= 1) & (q_lens[seqs] <= short_block)
+    return seqs[~short], seqs[short]
+
+
 def build_schedule(q_lens, kv_lens, *, q_heads: int, kv_heads: int, window: int | None, causal: bool,
                    fwd_blocks: tuple[int, int], dq_blocks: tuple[int, int], dkv_blocks: tuple[int, int],
-                   pack_fwd: int, pack_bwd: int) -> Schedule:
-    """Tile tables of all kernels. *_blocks are (query block, key block) sizes of each kernel; pack_* the
-    packed tile sizes of the forward and backward (0: no packing)."""
+                   short_bwd_blocks: tuple[int, int], pack_fwd: int, pack_bwd: int) -> Schedule:
+    """Tile tables of all kernels. *_blocks are (query block, key block) sizes of each kernel (the short-query
+    backward's query block is the longest query sequence it takes, (0, 0): none); pack_* the packed tile
+    sizes of the forward and backward (0: no packing)."""
     q_lens, kv_lens = _as_int64(q_lens), _as_int64(kv_lens)
     main_fwd, packed_fwd = split_packable(q_lens, kv_lens, pack_fwd)
     main_bwd, packed_bwd = split_packable(q_lens, kv_lens, pack_bwd)
     group = q_heads // kv_heads
+    main_bwd, short_bwd = split_short_queries(q_lens, main_bwd, short_bwd_blocks[0], group)
     return Schedule(
         fwd=query_tiles(q_lens, kv_lens, main_fwd, fwd_blocks[0], fwd_blocks[1], window, causal, q_heads),
         dq=query_tiles(q_lens, kv_lens, main_bwd, dq_blocks[0], dq_blocks[1], window, causal, q_heads),
         dkv=key_tiles(q_lens, kv_lens, main_bwd, dkv_blocks[1], dkv_blocks[0], window, causal, kv_heads, group),
+        short_bwd=query_tiles(q_lens, kv_lens, short_bwd, short_bwd_blocks[0], short_bwd_blocks[1], window, causal,
+                              q_heads),
         packed_fwd=pack_tiles(q_lens, kv_lens, packed_fwd, pack_fwd),
         packed_bwd=pack_tiles(q_lens, kv_lens, packed_bwd, pack_bwd),
         profile=profile_class(q_lens, kv_lens, max(pack_fwd, pack_bwd)),

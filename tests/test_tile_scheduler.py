@@ -59,6 +59,32 @@ def test_split_packable():
     assert packed.size == 0 and list(main) == [1, 2, 3, 4, 5, 6]
 
 
+def test_short_query_split():
+    """Short-query backward tiles: sequences with 1 <= q_len <= the block, only without GQA; one tile per
+    sequence (block start 0) and head, sorted by the key blocks visited; the rest keep dq and dkv tiles."""
+    q = np.array([0, 5, 40, 128, 129, 300, 0, 64])
+    kv = np.array([50, 200, 40, 1000, 50, 7, 0, 0])
+    main, packed = ts.split_packable(q, kv, 32)
+    assert list(main) == [0, 1, 2, 3, 4, 5, 7]
+    two_pass, short = ts.split_short_queries(q, main, 128, group=1)
+    assert list(short) == [1, 2, 3, 7] and list(two_pass) == [0, 4, 5]
+    two_pass, short = ts.split_short_queries(q, main, 128, group=2)
+    assert short.size == 0 and list(two_pass) == list(main)
+
+    sched = ts.build_schedule(q, kv, q_heads=3, kv_heads=3, window=None, causal=False, fwd_blocks=(64, 64),
+                              dq_blocks=(64, 64), dkv_blocks=(32, 64), short_bwd_blocks=(128, 64), pack_fwd=32,
+                              pack_bwd=32)
+    assert sorted(sched.short_bwd.entries[:, 0].tolist()) == [1, 2, 3, 7]
+    assert (sched.short_bwd.entries[:, 1] == 0).all() and sched.short_bwd.heads == 3
+    assert list(sched.short_bwd.work) == [16, 4, 1, 0]  # key blocks of 64: 1000, 200, 40 and 0 keys
+    assert sorted(set(sched.dq.entries[:, 0].tolist())) == [4, 5]
+    assert sorted(set(sched.dkv.entries[:, 0].tolist())) == [0, 4, 5]  # sequence 0: zero dk, dv of its keys
+    gqa = ts.build_schedule(q, kv, q_heads=4, kv_heads=2, window=None, causal=False, fwd_blocks=(64, 64),
+                            dq_blocks=(64, 64), dkv_blocks=(32, 64), short_bwd_blocks=(128, 64), pack_fwd=32,
+                            pack_bwd=32)
+    assert gqa.short_bwd.n_tiles == 0 and sorted(set(gqa.dq.entries[:, 0].tolist())) == [1, 2, 3, 4, 5, 7]
+
+
 def test_pack_tiles():
     rng = np.random.default_rng(3)
     q = rng.integers(0, 65, 500)
@@ -98,7 +124,8 @@ def test_many_sequences_build_quickly():
     kv = rng.integers(0, 200, 70000)
     start = time.perf_counter()
     sched = ts.build_schedule(q, kv, q_heads=4, kv_heads=2, window=None, causal=True, fwd_blocks=(128, 64),
-                              dq_blocks=(128, 64), dkv_blocks=(32, 128), pack_fwd=64, pack_bwd=32)
+                              dq_blocks=(128, 64), dkv_blocks=(32, 128), short_bwd_blocks=(128, 64), pack_fwd=64,
+                              pack_bwd=32)
     elapsed = time.perf_counter() - start
     assert elapsed < 5.0, elapsed
     assert sched.fwd.n_tiles + sched.dkv.n_tiles > 65535

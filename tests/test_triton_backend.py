@@ -290,6 +290,56 @@ def test_batch_invariance(mask):
             assert torch.equal(permuted[b][name], batch[b][name]), (b, name, "permuted")
 
 
+@pytest.fixture
+def nan_filled_allocations():
+    """torch.empty returns NaN-filled memory (as in the verify suite), so an unwritten element shows."""
+    previous = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(previous[0])
+    torch.utils.deterministic.fill_uninitialized_memory = previous[1]
+
+
+@needs_interpreter
+@pytest.mark.usefixtures("nan_filled_allocations")
+@pytest.mark.parametrize("mask", [{}, {"causal": True}, {"window": 6}, {"causal": True, "window": 4}])
+@pytest.mark.parametrize("lengths", ["jagged", "broadcast_q", "no_visible_key"])
+def test_short_query_backward(mask, lengths):
+    """Sequences with 1 <= q_len <= the short block (32 here) and more keys than a packed tile hold, without
+    GQA, take the one-pass backward (`_bwd_short_kernel`): right against the reference, exact zeros for keys
+    no query sees (after the visited blocks with a window; before them when causal leaves every query
+    without a key: no_visible_key's 60 x 20, with a 64-row short block), and bitwise the same alone as inside
+    the batch. The lengths include a single query row, exactly the block, a longer sequence (two passes),
+    packed ones (12 x 12; 30 queries without keys) and keys without queries (two passes)."""
+    import dataclasses
+
+    from jfa.triton import backend
+
+    broadcast = lengths == "broadcast_q"
+    if broadcast:
+        q_lens, kv_lens, short = [23] * 5, [70, 0, 41, 33, 90], {0, 2, 3, 4}
+    elif lengths == "jagged":
+        q_lens, kv_lens, short = [23, 1, 32, 0, 40, 12, 30], [70, 90, 33, 45, 50, 12, 0], {0, 1, 2}
+    else:
+        backend.set_config(dataclasses.replace(backend.SMALL_BLOCKS, short_bwd=backend.KernelConfig(64, 16, 4, (1,))))
+        q_lens, kv_lens, short = [60, 45], [20, 50], {0, 1}
+    q, k, v, q_off, kv_off, dout = make_inputs(q_lens, kv_lens, 2, 2, 16, 24, broadcast_q=broadcast, seed=13)
+    problem = problem_of(q, k, v, q_off, kv_off, broadcast_q=broadcast, **mask)
+    routed = backend.device_schedule(problem, backend.config_for(problem)).host.short_bwd
+    assert set(routed.entries[:, 0].tolist()) == short, "the premise: these sequences take the short path"
+    _, got = check_against_reference(q_lens, kv_lens, 2, 2, 16, 24, broadcast_q=broadcast, seed=13, **mask)
+    if broadcast:
+        return  # dq sums over the batch: a sequence alone has another dq
+    qs, ks = _slices(q_lens), _slices(kv_lens)
+    for b in sorted(short)[::2]:
+        alone = run_triton(q[qs[b]], k[ks[b]], v[ks[b]], offsets([q_lens[b]]), offsets([kv_lens[b]]), dout[qs[b]],
+                           **mask)
+        for name, part in (("out", qs[b]), ("dq", qs[b]), ("dk", ks[b]), ("dv", ks[b])):
+            assert torch.equal(alone[name], got[name][part]), (b, name)
+        assert torch.equal(alone["lse"], got["lse"][:, qs[b]]), (b, "lse")
+
+
 @needs_interpreter
 def test_schedules_and_determinism():
     """Static zigzag, dynamic and one-program-per-tile scheduling (with several grid sizes) give bitwise
@@ -333,9 +383,11 @@ def test_nan_tails_and_strided_layouts():
 
 
 @needs_interpreter
-def test_every_element_written_and_no_stray_writes(monkeypatch):
+@pytest.mark.parametrize("kv_heads", [1, 2], ids=["gqa", "mha"])
+def test_every_element_written_and_no_stray_writes(monkeypatch, kv_heads):
     """Fresh allocations are NaN and surrounded by guard words: every output element is written, and
-    nothing is written outside the allocations (outputs, residuals and scratch alike)."""
+    nothing is written outside the allocations (outputs, residuals and scratch alike); with one query head
+    per key/value head the 12 x 50 sequence takes the short-query backward."""
     from jfa.triton import backend
 
     guard = 64
@@ -357,8 +409,8 @@ def test_every_element_written_and_no_stray_writes(monkeypatch):
         return buf[guard:guard + n].view(shape)
 
     monkeypatch.setattr(backend.torch, "empty", guarded_empty)
-    q_lens, kv_lens = [22, 0, 7, 40], [18, 5, 0, 33]
-    q, k, v, q_off, kv_off, dout = make_inputs(q_lens, kv_lens, 2, 1, 24, 8, seed=10)
+    q_lens, kv_lens = [22, 0, 7, 40, 12], [18, 5, 0, 33, 50]
+    q, k, v, q_off, kv_off, dout = make_inputs(q_lens, kv_lens, 2, kv_heads, 24, 8, seed=10)
     got = run_triton(q, k, v, q_off, kv_off, dout, causal=True)
     monkeypatch.undo()
     assert allocations
@@ -447,7 +499,7 @@ def test_compile_check_head_dims_option():
             parse_head_dims([bad])
 
 
-# The fewest registers per thread ptxas reports for an ordinary (fwd, dq, dkv) kernel of the shipped configs
+# The fewest registers per thread ptxas reports for an ordinary (fwd, dq, dkv, short_bwd) kernel of the shipped configs
 # at any head-dim class (`python -m jfa.triton.gpu_selftest --compile-only`, triton 3.9, 2026-11-30: 145-255).
 # Fewer registers would only let more programs fit, so the bound never rejects a config that fits. Packed
 # kernels use fewer at small head dims, so they are not bound here.
@@ -462,8 +514,11 @@ def test_shipped_configs_are_well_formed(block_d):
     from jfa.triton.backend import gpu_config
 
     config = gpu_config(block_d)
-    for role in ("fwd", "dq", "dkv", "packed_fwd", "packed_bwd"):
+    for role in ("fwd", "dq", "dkv", "short_bwd", "packed_fwd", "packed_bwd"):
         cfg = getattr(config, role)
+        if cfg is None:  # only the short-query path may be absent, and only above head dim 128
+            assert role == "short_bwd" and block_d > 128, (role, block_d)
+            continue
         for block in (cfg.block_m, cfg.block_n):
             assert block >= 16 and block & (block - 1) == 0, (role, cfg)
         assert cfg.stages and all(s >= 1 for s in cfg.stages), (role, cfg)

@@ -71,6 +71,9 @@ class BackendConfig:
     fwd: KernelConfig
     dq: KernelConfig
     dkv: KernelConfig
+    # Short-query backward: block_m is the longest query sequence it takes (all its rows in one tile); None:
+    # no short-query path in this class (every sequence that is not packed takes the two passes).
+    short_bwd: KernelConfig | None
     # Packed kernels: block_m == block_n == the packed tile size; sequences whose longer side fits are
     # packed (forward and backward separately: the backward of a packed tile holds more accumulators).
     packed_fwd: KernelConfig
@@ -97,12 +100,21 @@ def gpu_config(block_d: int) -> BackendConfig:
     and 0.77x (dkv 32x128) of the 8-warp configs they replace; its packed configs were not retimed. So were
     the <= 256 class's (head dim 256, rows gem and long): fwd 64x32 with 4 warps at 3 stages 0.55x, dq 64x64
     0.46x, dkv 32x32 with 4 warps, two per SM (68 KiB of shared memory each), 0.32x; packed not retimed.
+    The short-query backward (128 query rows x 64 keys, 8 warps: ptxas 255 registers, 190-360 bytes of spill
+    at head dim 128, none at 64) was timed at head dim 128 over the skew and broadcast rows (2026-11-30):
+    3 stages 0.83x the time of 2 on broadcast (1.55 against 1.86 ms), the fastest of 11 candidates; 4 warps
+    2.1x slower, 128 keys 1.4x. The <= 64 class takes the same by analogy (not timed). Above 128 there is no
+    short-query path: its config there (64 query rows x 32 keys, 8 warps; 204 KiB of shared memory) passed
+    the verify suite on stock triton 3.6 but, compiled by fbtriton 3.7.4 (the tlx backend's backward), hit
+    an illegal address on head_dims:16 (D 192) and under compute-sanitizer returned other gradients with no
+    memcheck error (2026-11-30 12:55 UTC); it was never timed either (no bench row has such sequences).
     """
     if block_d <= 64:
         return BackendConfig(
             fwd=KernelConfig(64, 64, 4, (4, 3), resident=2),
             dq=KernelConfig(64, 64, 4, (3, 2), resident=2),
             dkv=KernelConfig(32, 128, 4, (2, 3), resident=2),
+            short_bwd=KernelConfig(128, 64, 8, (3, 2)),
             packed_fwd=KernelConfig(64, 64, 4, (2, 1), resident=2),
             packed_bwd=KernelConfig(64, 64, 8, (2, 1)),
         )
@@ -111,6 +123,7 @@ def gpu_config(block_d: int) -> BackendConfig:
             fwd=KernelConfig(128, 64, 8, (3, 2)),
             dq=KernelConfig(128, 64, 8, (3, 2)),
             dkv=KernelConfig(32, 64, 4, (3, 2), resident=2),
+            short_bwd=KernelConfig(128, 64, 8, (3, 2)),
             packed_fwd=KernelConfig(64, 64, 4, (2, 1), resident=2),
             packed_bwd=KernelConfig(32, 32, 4, (1,), resident=2),
         )
@@ -118,6 +131,7 @@ def gpu_config(block_d: int) -> BackendConfig:
         fwd=KernelConfig(64, 32, 4, (3, 2)),
         dq=KernelConfig(64, 64, 8, (2,)),
         dkv=KernelConfig(32, 32, 4, (2, 3), resident=2),
+        short_bwd=None,
         packed_fwd=KernelConfig(64, 64, 8, (2, 1)),
         packed_bwd=KernelConfig(32, 32, 8, (1,)),
     )
@@ -129,6 +143,7 @@ SMALL_BLOCKS = BackendConfig(
     fwd=KernelConfig(16, 16, 4, (1,)),
     dq=KernelConfig(16, 16, 4, (1,)),
     dkv=KernelConfig(16, 16, 4, (1,)),
+    short_bwd=KernelConfig(32, 16, 4, (1,)),
     packed_fwd=KernelConfig(32, 32, 4, (1,)),
     packed_bwd=KernelConfig(32, 32, 4, (1,)),
 )
@@ -185,6 +200,7 @@ class DeviceSchedule:
     fwd: torch.Tensor
     dq: torch.Tensor
     dkv: torch.Tensor
+    short_bwd: torch.Tensor
     pack_fwd_seqs: torch.Tensor
     pack_fwd_shift: torch.Tensor
     pack_bwd_seqs: torch.Tensor
@@ -214,9 +230,11 @@ def device_schedule(problem: Problem, config: BackendConfig) -> DeviceSchedule:
         q_lens, kv_lens, q_heads=problem.q_heads, kv_heads=problem.kv_heads, window=window,
         causal=problem.causal, fwd_blocks=(config.fwd.block_m, config.fwd.block_n),
         dq_blocks=(config.dq.block_m, config.dq.block_n), dkv_blocks=(config.dkv.block_m, config.dkv.block_n),
+        short_bwd_blocks=(config.short_bwd.block_m, config.short_bwd.block_n) if config.short_bwd else (0, 0),
         pack_fwd=config.packed_fwd.block_m, pack_bwd=config.packed_bwd.block_m,
     )
     parts = [host.fwd.entries.ravel(), host.dq.entries.ravel(), host.dkv.entries.ravel(),
+             host.short_bwd.entries.ravel(),
              host.packed_fwd.seqs.ravel(), host.packed_fwd.shift.ravel(),
              host.packed_bwd.seqs.ravel(), host.packed_bwd.shift.ravel()]
     sizes = [p.size for p in parts]
@@ -361,6 +379,14 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem):
                 sdq_t=dq_target.stride(0), sdq_h=dq_target.stride(1), sdk_t=dk.stride(0), sdk_h=dk.stride(1),
                 sdv_t=dv.stride(0), sdv_h=dv.stride(1), n_heads=hq, BLOCK=packed.block,
                 SLOTS=packed.block // ts.PACK_ALIGN, DQ_PARTIAL=partial, **args)
+    table = sched.host.short_bwd
+    if table.n_tiles:
+        n = table.n_tiles
+        _launch(bwd_kernels._bwd_short_kernel, config.short_bwd, _programs(n, config.short_bwd, schedule, device),
+                Out=out, DQ=dq_target, DK=dk, DV=dv, tiles=sched.short_bwd, n_tiles=n, counter=_counter(device),
+                so_t=out.stride(0), so_h=out.stride(1), sdq_t=dq_target.stride(0), sdq_h=dq_target.stride(1),
+                sdk_t=dk.stride(0), sdk_h=dk.stride(1), sdv_t=dv.stride(0), sdv_h=dv.stride(1), n_heads=hq,
+                BLOCK_M=config.short_bwd.block_m, BLOCK_N=config.short_bwd.block_n, DQ_PARTIAL=partial, **args)
     table = sched.host.dq
     if table.n_tiles:
         n = table.n_tiles

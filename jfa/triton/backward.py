@@ -13,6 +13,13 @@ Ordinary sequences take two passes over the same tile tables as the forward (`jf
 The separate dQ pass recomputes S and dP (7 matrix products per block pair instead of FlashAttention-2's
 5 plus atomics) and buys bitwise reproducibility and batch invariance of every gradient.
 
+Short-query tiles (`_bwd_short_kernel`; sequences with at most BLOCK_M query rows and no GQA, see
+`jfa.tile_scheduler`) hold all of a sequence's queries, so one program per (sequence, head) does its whole
+backward in one pass over the key blocks: 5 products per block, dk and dv of each key block stored as
+they complete, dq accumulated in registers. Broadcast-Q batches (one shared query sequence, typically
+short) and decode-like short queries over long keys go this way instead of paying a dK/dV tile per key
+block that meets only a handful of query blocks.
+
 Packed tiles (tiny sequences) hold whole sequences, so `_bwd_packed_kernel` does the whole backward of a
 tile in one program: dq per head, dk and dv summed over the group's heads.
 
@@ -49,6 +56,22 @@ from jfa.triton.forward import (
 
 
 @triton.jit
+def _probs_and_ds(q, do, k, v, m_b, inv_b, delta, offs_m, cols, q_len, kv_len, window, scale_log2,
+                  MASKED: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """P and dS = P∘(dP - D) [BLOCK_M, BLOCK_N] of query rows offs_m against keys `cols` (fp32, unrounded),
+    P recomputed from the forward's residuals; MASKED applies the visibility rule. Rows past q_len load
+    zero residuals (inv_b = 0), so their P and dS are 0."""
+    r = raw_scores(mma(q, tl.trans(k), INTERPRET), NEG_SCALE)
+    if MASKED:
+        seen = visible(offs_m[:, None], cols[None, :], q_len, kv_len, window, HAS_WINDOW, CAUSAL)
+        r = tl.where(seen, r, float("-inf"))
+    p = shifted_exp2((r - m_b[:, None]) * scale_log2) * inv_b[:, None]
+    dp = mma(do, tl.trans(v), INTERPRET)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
 def _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, start, end, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok,
                sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2,
                DT: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_D: tl.constexpr,
@@ -60,13 +83,8 @@ def _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, start, end, offs_m, o
                       key_ok, d_ok, MASKED, MASK_D)
         v = load_tile(v_seq + tl.cast(n, tl.int64) * sv_t + tile_offsets(offs_n, sv_t, offs_dv, sv_d),
                       key_ok, dv_ok, MASKED, MASK_DV)
-        r = raw_scores(mma(q, tl.trans(k), INTERPRET), NEG_SCALE)
-        if MASKED:
-            seen = visible(offs_m[:, None], (n + offs_n)[None, :], q_len, kv_len, window, HAS_WINDOW, CAUSAL)
-            r = tl.where(seen, r, float("-inf"))
-        p = shifted_exp2((r - m_b[:, None]) * scale_log2) * inv_b[:, None]
-        dp = mma(do, tl.trans(v), INTERPRET)
-        ds = p * (dp - delta[:, None])
+        _, ds = _probs_and_ds(q, do, k, v, m_b, inv_b, delta, offs_m, n + offs_n, q_len, kv_len, window, scale_log2,
+                              MASKED, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
         dq = mma_acc(rounded(ds, DT, INTERPRET), k, dq, INTERPRET)
     return dq
 
@@ -261,6 +279,137 @@ def _dkv_kernel(
                  stored(dk, DT, INTERPRET), mask=key_ok[:, None] & d_ok[None, :])
         tl.store(row_base(DV, kv_start + n0, sdv_t, kv_head, sdv_h) + tile_offsets(offs_c, sdv_t, offs_dv, 1),
                  stored(dv, DT, INTERPRET), mask=key_ok[:, None] & dv_ok[None, :])
+        t = t_next
+        r += 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Short-query tiles: the whole backward of a (sequence, head) in one pass over the keys.
+
+
+@triton.jit
+def _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, start, end, offs_m, offs_n, offs_d,
+                  offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, sdk_t, sdv_t, q_len, kv_len, window, scale_log2,
+                  sm_scale,
+                  DT: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_D: tl.constexpr,
+                  MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  CAUSAL: tl.constexpr, INTERPRET: tl.constexpr):
+    """Key blocks [start, end) against every query row of the sequence: each block's dk = dSᵀ·Q and
+    dv = Pᵀ·dO are complete and stored; dq += dS·K accumulates."""
+    for n in range(start, end, BLOCK_N):
+        key_ok = (n + offs_n) < kv_len
+        k = load_tile(k_seq + tl.cast(n, tl.int64) * sk_t + tile_offsets(offs_n, sk_t, offs_d, sk_d),
+                      key_ok, d_ok, MASKED, MASK_D)
+        v = load_tile(v_seq + tl.cast(n, tl.int64) * sv_t + tile_offsets(offs_n, sv_t, offs_dv, sv_d),
+                      key_ok, dv_ok, MASKED, MASK_DV)
+        p, ds = _probs_and_ds(q, do, k, v, m_b, inv_b, delta, offs_m, n + offs_n, q_len, kv_len, window, scale_log2,
+                              MASKED, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+        ds = rounded(ds, DT, INTERPRET)
+        dq = mma_acc(ds, k, dq, INTERPRET)
+        dv = mma(tl.trans(rounded(p, DT, INTERPRET)), do, INTERPRET)
+        dk = mma(tl.trans(ds), q, INTERPRET) * sm_scale
+        tl.store(dk_seq + tl.cast(n, tl.int64) * sdk_t + tile_offsets(offs_n, sdk_t, offs_d, 1),
+                 stored(dk, DT, INTERPRET), mask=key_ok[:, None] & d_ok[None, :])
+        tl.store(dv_seq + tl.cast(n, tl.int64) * sdv_t + tile_offsets(offs_n, sdv_t, offs_dv, 1),
+                 stored(dv, DT, INTERPRET), mask=key_ok[:, None] & dv_ok[None, :])
+    return dq
+
+
+@triton.jit
+def _zero_key_blocks(dk_seq, dv_seq, start, end, kv_len, offs_n, offs_d, offs_dv, d_ok, dv_ok, sdk_t, sdv_t,
+                     DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """dk = dv = 0 for the keys of blocks [start, end) (keys no query sees)."""
+    for n in range(start, end, BLOCK_N):
+        key_ok = (n + offs_n) < kv_len
+        tl.store(dk_seq + tl.cast(n, tl.int64) * sdk_t + tile_offsets(offs_n, sdk_t, offs_d, 1),
+                 tl.zeros([BLOCK_N, BLOCK_D], dtype=DT), mask=key_ok[:, None] & d_ok[None, :])
+        tl.store(dv_seq + tl.cast(n, tl.int64) * sdv_t + tile_offsets(offs_n, sdv_t, offs_dv, 1),
+                 tl.zeros([BLOCK_N, BLOCK_DV], dtype=DT), mask=key_ok[:, None] & dv_ok[None, :])
+
+
+@kernel
+def _bwd_short_kernel(
+    Q, K, V, Out, DOut, DQ, DK, DV, RowMax, RowSum,
+    tiles, n_tiles, counter,
+    q_offsets, out_offsets, kv_offsets,
+    sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, sdo_t, sdo_h, sdo_d,
+    sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h,
+    scale_log2, sm_scale, window, n_heads, group, profile,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, DQ_PARTIAL: tl.constexpr,
+    SCHEDULE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """dq (or its fp32 partial with broadcast_q), dk and dv of short-query tiles (sequence, head): all of the
+    sequence's q_len <= BLOCK_M query rows at once against every key block in turn (5 matrix products per
+    block, no second pass). The scheduler sends only sequences whose key/value head serves one query head
+    (group == 1), so each key block's dk and dv are written once, by this tile; keys outside the visited
+    blocks get exact zeros."""
+    DT: tl.constexpr = Q.dtype.element_ty
+    MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
+    MASK_DV: tl.constexpr = HEAD_DIM_V != BLOCK_DV
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+
+    t = pid
+    r = pid * 0
+    while t < n_tiles:
+        t_next = next_tile(r, pid, nprog, n_tiles, counter, SCHEDULE)
+        entry = t // n_heads
+        head = t - entry * n_heads
+        kv_head = head // group
+        seq = tl.load(tiles + 2 * entry)
+        q_start, out_start, q_len, kv_start, kv_len = sequence_bounds(q_offsets, out_offsets, kv_offsets, seq)
+        lo, full_lo, full_hi, hi = kv_block_range(q_len * 0, q_len, q_len, kv_len, window, BLOCK_N, HAS_WINDOW,
+                                                  CAUSAL)
+
+        row_ok = offs_m < q_len
+        q = load_tile(row_base(Q, q_start, sq_t, head, sq_h) + tile_offsets(offs_m, sq_t, offs_d, sq_d),
+                      row_ok, d_ok, True, MASK_D)
+        do = load_tile(row_base(DOut, out_start, sdo_t, head, sdo_h) + tile_offsets(offs_m, sdo_t, offs_dv, sdo_d),
+                       row_ok, dv_ok, True, MASK_DV)
+        o = load_tile(row_base(Out, out_start, so_t, head, so_h) + tile_offsets(offs_m, so_t, offs_dv, 1),
+                      row_ok, dv_ok, True, MASK_DV)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        stat = tl.cast(head, tl.int64) * stat_h + out_start + offs_m
+        m_b, inv_b = backward_row_stats(tl.load(RowMax + stat, mask=row_ok, other=0.0),
+                                        tl.load(RowSum + stat, mask=row_ok, other=0.0))
+
+        k_seq = row_base(K, kv_start, sk_t, kv_head, sk_h)
+        v_seq = row_base(V, kv_start, sv_t, kv_head, sv_h)
+        dk_seq = row_base(DK, kv_start, sdk_t, kv_head, sdk_h)
+        dv_seq = row_base(DV, kv_start, sdv_t, kv_head, sdv_h)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        dq = _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, lo, full_lo, offs_m, offs_n,
+                           offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, sdk_t, sdv_t, q_len, kv_len, window,
+                           scale_log2, sm_scale, DT, BLOCK_N, True, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL,
+                           INTERPRET)
+        dq = _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, full_lo, full_hi, offs_m,
+                           offs_n, offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, sdk_t, sdv_t, q_len, kv_len,
+                           window, scale_log2, sm_scale, DT, BLOCK_N, False, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW,
+                           CAUSAL, INTERPRET)
+        dq = _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, full_hi, hi, offs_m, offs_n,
+                           offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, sdk_t, sdv_t, q_len, kv_len, window,
+                           scale_log2, sm_scale, DT, BLOCK_N, True, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL,
+                           INTERPRET)
+        _zero_key_blocks(dk_seq, dv_seq, 0, lo, kv_len, offs_n, offs_d, offs_dv, d_ok, dv_ok, sdk_t, sdv_t, DT,
+                         BLOCK_N, BLOCK_D, BLOCK_DV)
+        _zero_key_blocks(dk_seq, dv_seq, hi, kv_len, kv_len, offs_n, offs_d, offs_dv, d_ok, dv_ok, sdk_t, sdv_t, DT,
+                         BLOCK_N, BLOCK_D, BLOCK_DV)
+        dq = dq * sm_scale
+        mask = row_ok[:, None] & d_ok[None, :]
+        if DQ_PARTIAL:
+            tl.store(row_base(DQ, out_start, sdq_t, head, sdq_h) + tile_offsets(offs_m, sdq_t, offs_d, 1), dq,
+                     mask=mask)
+        else:
+            tl.store(row_base(DQ, q_start, sdq_t, head, sdq_h) + tile_offsets(offs_m, sdq_t, offs_d, 1),
+                     stored(dq, DT, INTERPRET), mask=mask)
         t = t_next
         r += 1
 

@@ -478,6 +478,11 @@ def compile_check(quick: bool = False, arch: int = 90, head_dims: list[tuple[int
                         ok &= compile_one(B._dq_kernel, p2, dict(common, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n,
                                           DQ_PARTIAL=partial), cfg.dq.num_warps, st,
                                           f"dq partial={int(partial)} s{st} {tag}")
+                    sb = cfg.short_bwd
+                    for st in sb.stages if sb else ():
+                        ok &= compile_one(B._bwd_short_kernel, p2, dict(common, BLOCK_M=sb.block_m,
+                                          BLOCK_N=sb.block_n, DQ_PARTIAL=partial), sb.num_warps, st,
+                                          f"bwd_short partial={int(partial)} s{st} {tag}")
                     pb = cfg.packed_bwd
                     for st in pb.stages:
                         ok &= compile_one(B._bwd_packed_kernel, p2, dict(common, BLOCK=pb.block_m,

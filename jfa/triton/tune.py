@@ -5,21 +5,22 @@ padded head-dim class (`gpu_config` in jfa/triton/backend.py), never chosen per 
 the batch would give a sequence other bits alone than inside a batch (batch invariance). They are chosen
 once, by timing candidates on the GPU they ship for, on jfa.bench's rows; this is that sweep.
 
-What it does. Each role's config (fwd, dq, dkv: ordinary tiles; packed_fwd, packed_bwd: packed tiny
-sequences) is replaced, that role alone (`set_config`), by each of a curated list of candidates
-(`candidates`, the shipped config first), and the op runs on the rows its kernel works on (ordinary roles:
-gem, long, skew, broadcast; packed roles: skew, tiny) with jfa.bench's inputs: the forward alone for the
-forward kernels, forward and backward otherwise. After two untimed calls (compilation, tile schedule),
---iters calls run under torch.profiler and the device time of the role's kernels is summed: ms per call.
-A packed role counts the ordinary kernels of its pass too (`ROLE_KERNELS`): the packed block decides which
-sequences are packed (longer side <= block) and which go to ordinary tiles, so its kernel alone would
-favour packing fewer. Each candidate's outputs are compared with the shipped config's (another reduction
-order moves a few ulps, a wrong tile O(1)); a candidate that fails to compile, to launch (out of shared
-memory or registers) or to agree is reported with the reason and never ranked. Compilation comes first, in
---jobs processes that each run their share of the candidates once (filling Triton's on-disk cache); then
-everything is timed in this process, alone on the GPU. Once per row the shipped op is timed as jfa.bench
-times it (do_bench of the forward and of forward+backward) beside its kernels' device time: the rest is
-host work and launch gaps (the tiny row is suspected to be host-bound).
+What it does. Each role's config (fwd, dq, dkv: ordinary tiles; short_bwd: the one-pass backward of short
+query sequences; packed_fwd, packed_bwd: packed tiny sequences) is replaced, that role alone (`set_config`),
+by each of a curated list of candidates (`candidates`, the shipped config first), and the op runs on the rows
+its kernel works on (ordinary roles: gem, long, skew, broadcast; short_bwd: skew, broadcast; packed roles:
+skew, tiny) with jfa.bench's inputs: the forward alone for the forward kernels, forward and backward
+otherwise. After two untimed calls (compilation, tile schedule), --iters calls run under torch.profiler and
+the device time of the role's kernels is summed: ms per call. A packed or short-query role counts the ordinary
+kernels of its pass too (`ROLE_KERNELS`): its block decides which sequences it takes (packed: longer side <=
+block; short: q_len <= block) and which go to ordinary tiles, so its kernel alone would favour taking fewer.
+Each candidate's outputs are compared with the shipped config's (another reduction order moves a few ulps, a
+wrong tile O(1)); a candidate that fails to compile, to launch (out of shared memory or registers) or to agree
+is reported with the reason and never ranked. Compilation comes first, in --jobs processes that each run their
+share of the candidates once (filling Triton's on-disk cache); then everything is timed in this process, alone
+on the GPU. Once per row the shipped op is timed as jfa.bench times it (do_bench of the forward and of
+forward+backward) beside its kernels' device time: the rest is host work and launch gaps (the tiny row is
+suspected to be host-bound).
 
 Reading the output. Per role a table: one line per candidate, "BMxBN wW sS rR" (query x key block, warps,
 num_stages, programs per SM in the persistent grid), and per row the ms per call and the ratio to the
@@ -47,21 +48,23 @@ from jfa.bench import ROWS, environment, row_inputs
 from jfa.triton.backend import KernelConfig, gpu_config, interpreting, padded_dim, set_config
 from jfa.validation import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM
 
-ROLES = ("fwd", "dq", "dkv", "packed_fwd", "packed_bwd")
+ROLES = ("fwd", "dq", "dkv", "short_bwd", "packed_fwd", "packed_bwd")
 # The kernel each role's config drives (jfa/triton/forward.py, backward.py); broadcast-Q adds the reduction.
-KERNELS = {"fwd": "_fwd_kernel", "dq": "_dq_kernel", "dkv": "_dkv_kernel", "packed_fwd": "_fwd_packed_kernel",
-           "packed_bwd": "_bwd_packed_kernel"}
+KERNELS = {"fwd": "_fwd_kernel", "dq": "_dq_kernel", "dkv": "_dkv_kernel", "short_bwd": "_bwd_short_kernel",
+           "packed_fwd": "_fwd_packed_kernel", "packed_bwd": "_bwd_packed_kernel"}
 JFA_KERNELS = (*KERNELS.values(), "_dq_reduce_kernel")
-# What a role's time sums: its kernel and, for a packed role, the ordinary kernels of its pass, which take
-# the sequences its block leaves out.
+# What a role's time sums: its kernel and, for a packed or short-query role, the ordinary kernels of its pass,
+# which take the sequences its block leaves out.
 ROLE_KERNELS = {"fwd": ("_fwd_kernel",), "dq": ("_dq_kernel",), "dkv": ("_dkv_kernel",),
+                "short_bwd": ("_bwd_short_kernel", "_dq_kernel", "_dkv_kernel"),
                 "packed_fwd": ("_fwd_packed_kernel", "_fwd_kernel"),
                 "packed_bwd": ("_bwd_packed_kernel", "_dq_kernel", "_dkv_kernel")}
 FORWARD_ROLES = ("fwd", "packed_fwd")
 ORDINARY_ROWS = ("gem", "long", "skew", "broadcast")  # rows with sequences longer than any packed block
 PACKED_ROWS = ("skew", "tiny")  # rows with sequences of 1-64 rows
-ROLE_ROWS = {"fwd": ORDINARY_ROWS, "dq": ORDINARY_ROWS, "dkv": ORDINARY_ROWS, "packed_fwd": PACKED_ROWS,
-             "packed_bwd": PACKED_ROWS}
+SHORT_ROWS = ("skew", "broadcast")  # rows with query sequences of 128 rows or fewer beside more keys
+ROLE_ROWS = {"fwd": ORDINARY_ROWS, "dq": ORDINARY_ROWS, "dkv": ORDINARY_ROWS, "short_bwd": SHORT_ROWS,
+             "packed_fwd": PACKED_ROWS, "packed_bwd": PACKED_ROWS}
 # A candidate whose max |out - shipped out| exceeds this fraction of max |shipped out| (any output tensor)
 # computes something else: reduction orders differ by ulps (2^-8 of an element in bf16), bugs by O(1).
 MISMATCH = 2**-5
@@ -75,6 +78,8 @@ GRID = {
            (64, 32, 4, (2, 3))),
     "dkv": ((32, 128, 8, (2, 3)), (64, 128, 8, (2, 3)), (32, 64, 4, (2, 3)), (64, 64, 4, (2, 3)),
             (16, 128, 8, (2,)), (32, 128, 4, (2,)), (64, 64, 8, (2,))),
+    "short_bwd": ((128, 64, 8, (2, 3)), (128, 32, 8, (2, 3)), (128, 64, 4, (2,)), (128, 32, 4, (2,)),
+                  (128, 128, 8, (2,)), (64, 64, 4, (2,)), (64, 32, 4, (2,))),
 }
 PACKED_GRID = tuple((b, b, warps, (1, 2)) for b in (32, 64, 128) for warps in (4, 8))
 MIN_BLOCK = 16  # tl.dot's smallest tile
@@ -96,6 +101,8 @@ def candidates(role: str, block_d: int) -> list[KernelConfig]:
     more than fit only queue, which the dynamic tile counter makes harmless), and 4 for such packed tiles
     (memory-bound: bytes in flight need programs in flight). No two run alike."""
     shipped = getattr(gpu_config(block_d), role)
+    if shipped is None:
+        raise ValueError(f"no {role} config ships for padded head dim {block_d}: nothing to compare against")
     grid, low = (PACKED_GRID, MIN_PACKED_BLOCK) if role.startswith("packed") else (GRID[role], MIN_BLOCK)
     shrink = 2 if block_d > 128 else 1
     out, seen = [shipped], {runs_as(shipped)}
@@ -484,6 +491,10 @@ def main(argv=None) -> int:
         parser.error(f"--head-dim must be a multiple of {HEAD_DIM_MULTIPLE} from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM}")
     args.rows = [row for row in ROWS if row in args.rows]
     args.roles = [role for role in ROLES if role in args.roles]
+    unshipped = [role for role in args.roles if getattr(gpu_config(padded_dim(args.head_dim)), role) is None]
+    if unshipped:
+        print(f"not swept at head dim {args.head_dim} (no config ships for it): {' '.join(unshipped)}")
+        args.roles = [role for role in args.roles if role not in unshipped]
 
     import torch
 
