@@ -79,6 +79,20 @@ def test_clean_emulator_passes_the_committed_baseline(tmp_path):
     assert "REGRESSIONS" not in output and "gate: PASS" in output
 
 
+def test_a_gzipped_results_file_reads_as_the_file_it_holds(tmp_path):
+    """scripts/gpu_session.sh keeps a run's records as .jsonl.gz: the gate reads it as the plain file, and a
+    planted bug still fails through it."""
+    import gzip
+
+    bug = next(bug for bug in planted.BUGS if bug.name == "missing_rescale")
+    plain = write_results(tmp_path / "bug.jsonl", f"planted-{bug.name}", bug.families, ("forward",))
+    packed = tmp_path / "bug.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert results.read(packed) == results.read(plain)
+    code, output = run_gate("--results", packed, "--compare-as", "emulator")
+    assert code == 1 and "check:bound" in output, output
+
+
 def test_suite_run_through_the_gate_passes(tmp_path):
     """The gate's own suite run (pytest in a subprocess), every test of one case."""
     out = tmp_path / "results.jsonl"

@@ -3,6 +3,7 @@ the session; and the summary table (backend × family). Imports no torch: the xd
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections import defaultdict
@@ -80,8 +81,12 @@ def number(value) -> float | None:
 
 def read(path: Path) -> list[dict]:
     """A results file's records, or a worker's, whose last line is torn when the worker was killed while
-    writing it (that line is left out)."""
-    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    writing it (that line is left out). A gzip-compressed file (how scripts/gpu_session.sh keeps a run's
+    records) is read as the file it holds."""
+    data = Path(path).read_bytes()
+    if data[:2] == b"\x1f\x8b":  # the gzip magic number
+        data = gzip.decompress(data)
+    lines = [line for line in data.decode().splitlines() if line.strip()]
     records = []
     for number, line in enumerate(lines):
         try:
