@@ -72,6 +72,26 @@ def _probs_and_ds(q, do, k, v, m_b, inv_b, delta, offs_m, cols, q_len, kv_len, w
 
 
 @triton.jit
+def _query_rows(Q, DOut, Out, RowMax, RowSum, q_start, out_start, m0, head, offs_r, offs_m, row_ok, offs_d, offs_dv,
+                d_ok, dv_ok, sq_t, sq_h, sq_d, sdo_t, sdo_h, sdo_d, so_t, so_h, stat_h, MASK_D: tl.constexpr,
+                MASK_DV: tl.constexpr):
+    """What the backward needs of query rows offs_m = m0 + offs_r of a sequence and head: Q, dO,
+    D = rowsum(dO∘O) from the rounded output, the rows' statistics index, and (m_safe, 2^-24/l) for
+    recomputing P. Rows outside row_ok read as 0 (their statistics too, so their P is 0)."""
+    q = load_tile(row_base(Q, q_start + m0, sq_t, head, sq_h) + tile_offsets(offs_r, sq_t, offs_d, sq_d),
+                  row_ok, d_ok, True, MASK_D)
+    do = load_tile(row_base(DOut, out_start + m0, sdo_t, head, sdo_h)
+                   + tile_offsets(offs_r, sdo_t, offs_dv, sdo_d), row_ok, dv_ok, True, MASK_DV)
+    o = load_tile(row_base(Out, out_start + m0, so_t, head, so_h) + tile_offsets(offs_r, so_t, offs_dv, 1),
+                  row_ok, dv_ok, True, MASK_DV)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    stat = tl.cast(head, tl.int64) * stat_h + out_start + offs_m
+    m_b, inv_b = backward_row_stats(tl.load(RowMax + stat, mask=row_ok, other=0.0),
+                                    tl.load(RowSum + stat, mask=row_ok, other=0.0))
+    return q, do, delta, stat, m_b, inv_b
+
+
+@triton.jit
 def _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, start, end, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok,
                sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2,
                DT: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_D: tl.constexpr,
@@ -129,17 +149,10 @@ def _dq_kernel(
 
         offs_m = m0 + offs_r
         row_ok = offs_m < q_len
-        q = load_tile(row_base(Q, q_start + m0, sq_t, head, sq_h) + tile_offsets(offs_r, sq_t, offs_d, sq_d),
-                      row_ok, d_ok, True, MASK_D)
-        do = load_tile(row_base(DOut, out_start + m0, sdo_t, head, sdo_h)
-                       + tile_offsets(offs_r, sdo_t, offs_dv, sdo_d), row_ok, dv_ok, True, MASK_DV)
-        o = load_tile(row_base(Out, out_start + m0, so_t, head, so_h) + tile_offsets(offs_r, so_t, offs_dv, 1),
-                      row_ok, dv_ok, True, MASK_DV)
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-        stat = tl.cast(head, tl.int64) * stat_h + out_start + offs_m
+        q, do, delta, stat, m_b, inv_b = _query_rows(
+            Q, DOut, Out, RowMax, RowSum, q_start, out_start, m0, head, offs_r, offs_m, row_ok, offs_d, offs_dv, d_ok,
+            dv_ok, sq_t, sq_h, sq_d, sdo_t, sdo_h, sdo_d, so_t, so_h, stat_h, MASK_D, MASK_DV)
         tl.store(Delta + stat, delta, mask=row_ok)
-        m_b, inv_b = backward_row_stats(tl.load(RowMax + stat, mask=row_ok, other=0.0),
-                                        tl.load(RowSum + stat, mask=row_ok, other=0.0))
 
         k_seq = row_base(K, kv_start, sk_t, kv_head, sk_h)
         v_seq = row_base(V, kv_start, sv_t, kv_head, sv_h)
@@ -370,16 +383,9 @@ def _bwd_short_kernel(
                                                   CAUSAL)
 
         row_ok = offs_m < q_len
-        q = load_tile(row_base(Q, q_start, sq_t, head, sq_h) + tile_offsets(offs_m, sq_t, offs_d, sq_d),
-                      row_ok, d_ok, True, MASK_D)
-        do = load_tile(row_base(DOut, out_start, sdo_t, head, sdo_h) + tile_offsets(offs_m, sdo_t, offs_dv, sdo_d),
-                       row_ok, dv_ok, True, MASK_DV)
-        o = load_tile(row_base(Out, out_start, so_t, head, so_h) + tile_offsets(offs_m, so_t, offs_dv, 1),
-                      row_ok, dv_ok, True, MASK_DV)
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-        stat = tl.cast(head, tl.int64) * stat_h + out_start + offs_m
-        m_b, inv_b = backward_row_stats(tl.load(RowMax + stat, mask=row_ok, other=0.0),
-                                        tl.load(RowSum + stat, mask=row_ok, other=0.0))
+        q, do, delta, _, m_b, inv_b = _query_rows(
+            Q, DOut, Out, RowMax, RowSum, q_start, out_start, 0, head, offs_m, offs_m, row_ok, offs_d, offs_dv, d_ok,
+            dv_ok, sq_t, sq_h, sq_d, sdo_t, sdo_h, sdo_d, so_t, so_h, stat_h, MASK_D, MASK_DV)
 
         k_seq = row_base(K, kv_start, sk_t, kv_head, sk_h)
         v_seq = row_base(V, kv_start, sv_t, kv_head, sv_h)
