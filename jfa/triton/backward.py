@@ -321,23 +321,31 @@ def _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, st
         dq = mma_acc(ds, k, dq, INTERPRET)
         dv = mma(tl.trans(rounded(p, DT, INTERPRET)), do, INTERPRET)
         dk = mma(tl.trans(ds), q, INTERPRET) * sm_scale
-        tl.store(dk_seq + tl.cast(n, tl.int64) * sdk_t + tile_offsets(offs_n, sdk_t, offs_d, 1),
-                 stored(dk, DT, INTERPRET), mask=key_ok[:, None] & d_ok[None, :])
-        tl.store(dv_seq + tl.cast(n, tl.int64) * sdv_t + tile_offsets(offs_n, sdv_t, offs_dv, 1),
-                 stored(dv, DT, INTERPRET), mask=key_ok[:, None] & dv_ok[None, :])
+        _store_key_block(dk_seq, dv_seq, n, dk, dv, key_ok, offs_n, offs_d, offs_dv, d_ok, dv_ok, sdk_t, sdv_t, DT,
+                         INTERPRET)
     return dq
 
 
 @triton.jit
+def _store_key_block(dk_seq, dv_seq, n, dk, dv, key_ok, offs_n, offs_d, offs_dv, d_ok, dv_ok, sdk_t, sdv_t,
+                     DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 dk and dv of the key block starting at n, stored in the output dtype; keys outside key_ok are
+    not written."""
+    tl.store(dk_seq + tl.cast(n, tl.int64) * sdk_t + tile_offsets(offs_n, sdk_t, offs_d, 1),
+             stored(dk, DT, INTERPRET), mask=key_ok[:, None] & d_ok[None, :])
+    tl.store(dv_seq + tl.cast(n, tl.int64) * sdv_t + tile_offsets(offs_n, sdv_t, offs_dv, 1),
+             stored(dv, DT, INTERPRET), mask=key_ok[:, None] & dv_ok[None, :])
+
+
+@triton.jit
 def _zero_key_blocks(dk_seq, dv_seq, start, end, kv_len, offs_n, offs_d, offs_dv, d_ok, dv_ok, sdk_t, sdv_t,
-                     DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                     DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     INTERPRET: tl.constexpr):
     """dk = dv = 0 for the keys of blocks [start, end) (keys no query sees)."""
     for n in range(start, end, BLOCK_N):
-        key_ok = (n + offs_n) < kv_len
-        tl.store(dk_seq + tl.cast(n, tl.int64) * sdk_t + tile_offsets(offs_n, sdk_t, offs_d, 1),
-                 tl.zeros([BLOCK_N, BLOCK_D], dtype=DT), mask=key_ok[:, None] & d_ok[None, :])
-        tl.store(dv_seq + tl.cast(n, tl.int64) * sdv_t + tile_offsets(offs_n, sdv_t, offs_dv, 1),
-                 tl.zeros([BLOCK_N, BLOCK_DV], dtype=DT), mask=key_ok[:, None] & dv_ok[None, :])
+        _store_key_block(dk_seq, dv_seq, n, tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32),
+                         tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32), (n + offs_n) < kv_len, offs_n, offs_d,
+                         offs_dv, d_ok, dv_ok, sdk_t, sdv_t, DT, INTERPRET)
 
 
 @kernel
@@ -405,9 +413,9 @@ def _bwd_short_kernel(
                            scale_log2, sm_scale, DT, BLOCK_N, True, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL,
                            INTERPRET)
         _zero_key_blocks(dk_seq, dv_seq, 0, lo, kv_len, offs_n, offs_d, offs_dv, d_ok, dv_ok, sdk_t, sdv_t, DT,
-                         BLOCK_N, BLOCK_D, BLOCK_DV)
+                         BLOCK_N, BLOCK_D, BLOCK_DV, INTERPRET)
         _zero_key_blocks(dk_seq, dv_seq, hi, kv_len, kv_len, offs_n, offs_d, offs_dv, d_ok, dv_ok, sdk_t, sdv_t, DT,
-                         BLOCK_N, BLOCK_D, BLOCK_DV)
+                         BLOCK_N, BLOCK_D, BLOCK_DV, INTERPRET)
         dq = dq * sm_scale
         mask = row_ok[:, None] & d_ok[None, :]
         if DQ_PARTIAL:
