@@ -292,13 +292,12 @@ def test_batch_invariance(mask):
 
 @pytest.fixture
 def nan_filled_allocations():
-    """torch.empty returns NaN-filled memory (as in the verify suite), so an unwritten element shows."""
-    previous = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    yield
-    torch.use_deterministic_algorithms(previous[0])
-    torch.utils.deterministic.fill_uninitialized_memory = previous[1]
+    """torch.empty returns NaN-filled memory (the verify suite's `verify.runner.nan_filled_allocations`), so
+    an unwritten element shows."""
+    from verify.runner import nan_filled_allocations
+
+    with nan_filled_allocations():
+        yield
 
 
 @needs_interpreter
