@@ -41,6 +41,9 @@ class Problem:
     q_rows: int
     out_rows: int
     kv_rows: int
+    # Names the offsets' values (and, with broadcast_q, the shared query length): equal keys, equal lengths.
+    # Tile-schedule caches key on it instead of comparing the lengths.
+    lengths_key: tuple
 
     @property
     def group_size(self) -> int:

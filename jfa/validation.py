@@ -3,16 +3,24 @@
 Errors name the argument and the rule. Nothing the caller passed is modified: the kernels get their own
 int32 copies of the offsets.
 
-The host needs the offsets' values (every rule about them, and the tile schedule), which costs one
-device-to-host copy and a wait for the device per call. Whatever the device then waits for is host work
-after that wait, so it is kept small: both offsets are joined on the device in one new tensor, which travels
-to the host in one copy and whose halves (int32) become the kernels' own offsets (no further uploads).
+The host needs the offsets' values (every rule about them, and the tile schedule), which costs one wait
+for the device per call. Whatever the device then waits for is host work after that wait, so it is kept
+small: both offsets are joined on the device in one new tensor, which travels to the host in one copy and
+whose halves (int32) become the kernels' own offsets (no further uploads). Calls that repeat offsets already
+validated (a training loop over batches of one length profile) skip even that: the joined tensor is compared
+on the device with the last validated one of its size, and when they are equal (one boolean crosses to the
+host) the earlier host copies, lengths and kernel offsets serve again. Only values that passed every rule
+independent of the tensors' shapes are remembered; the rules that involve shapes (last offset = rows) are
+checked on every call. The remembered arrays are shared by the Problems of such calls and never written.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -55,22 +63,37 @@ def _check_offsets_tensor(name: str, offsets, device: torch.device) -> None:
         raise ValueError(f"{name} is on {offsets.device} but q is on {device}: all inputs must share a device")
 
 
-def _to_host(*offsets: torch.Tensor) -> tuple[torch.Tensor, list[np.ndarray]]:
-    """Checked offsets tensors joined on the device (one tensor, the caller's ones untouched), and their int64
-    host copies, from one device-to-host copy."""
-    joined = torch.cat([t.detach() for t in offsets]) if len(offsets) > 1 else offsets[0].detach()
-    host = joined.cpu().numpy().astype(np.int64)
-    first = offsets[0].numel()
-    return joined, [host[:first], host[first:]] if len(offsets) > 1 else [host]
+@dataclass
+class _ValidOffsets:
+    """Offsets values that passed the shape-independent rules: their device copy in the caller's dtype (for
+    the comparison), the kernels' int32 copy, host int64 copies and lengths per part, and a token naming
+    these values for the tile-schedule caches (never reused)."""
+
+    compared: torch.Tensor
+    kernel: list[torch.Tensor]
+    host: list[np.ndarray]
+    lens: list[np.ndarray]
+    token: int
+    broadcast: dict = field(default_factory=dict)  # shared query rows -> (q_host, out_host, q_lens, q_dev, out_dev)
 
 
-def _kernel_offsets(joined: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """The kernels' int32 offsets, once every rule holds: views of one new device tensor (the joined one, or
-    a copy when it is the caller's own tensor; int64 is narrowed only now, so that a value beyond int32 failed
-    its rule instead of wrapping into a valid one)."""
+_TOKENS = itertools.count()
+_VALID: OrderedDict = OrderedDict()  # (device, dtype, part sizes) -> the last _ValidOffsets of that size
+_VALID_SIZE = 8
+
+
+def _joined(offsets: list[torch.Tensor]) -> torch.Tensor:
+    """The offsets joined on the device: a new tensor, or the caller's own one when there is one part."""
+    return torch.cat([t.detach() for t in offsets]) if len(offsets) > 1 else offsets[0].detach()
+
+
+def _kernel_offsets(joined: torch.Tensor, sizes: list[int], owned: bool) -> list[torch.Tensor]:
+    """The kernels' int32 offsets: views of one new device tensor (the joined one when it is ours, else a
+    copy; int64 is narrowed only after its values passed their rules, so a value beyond int32 fails its rule
+    instead of wrapping into a valid one)."""
     if joined.dtype != torch.int32:
         joined = joined.to(torch.int32)
-    elif len(sizes) == 1:
+    elif not owned:
         joined = joined.clone()
     return list(torch.split(joined, sizes))
 
@@ -86,11 +109,48 @@ def _check_offsets_values(name: str, host: np.ndarray, rows: int, rows_name: str
             f"{name} must be non-decreasing, but {name}[{b + 1}] = {int(host[b + 1])} < "
             f"{name}[{b}] = {int(host[b])}"
         )
+    _check_rows(name, host, rows, rows_name)
+    return lens
+
+
+def _check_rows(name: str, host: np.ndarray, rows: int, rows_name: str) -> None:
+    """The rules of offsets that involve the tensors' shapes."""
     if host[-1] != rows:
         raise ValueError(f"{name}[-1] = {int(host[-1])} must equal the number of {rows_name} rows, {rows}")
     if rows >= 2**31:
         raise ValueError(f"{name}[-1] = {rows} does not fit the int32 offsets kernels use")
-    return lens
+
+
+def _valid_offsets(parts: list[tuple[str, torch.Tensor, int, str]]) -> _ValidOffsets:
+    """Every rule of the offsets (name, tensor, rows, rows' name) in `parts`, in order, and their values.
+
+    Values equal to the last validated ones of their size are recognised on the device (one boolean
+    crosses to the host) and only the shape rules are checked again; other values travel to the host in one
+    copy, are checked and are remembered."""
+    tensors = [t for _, t, _, _ in parts]
+    sizes = [t.numel() for t in tensors]
+    joined = _joined(tensors)
+    key = (joined.device, joined.dtype, tuple(sizes))
+    known = _VALID.get(key)
+    if known is not None and torch.equal(joined, known.compared):
+        _VALID.move_to_end(key)
+        for (name, _, rows, rows_name), host in zip(parts, known.host, strict=True):
+            _check_rows(name, host, rows, rows_name)
+        return known
+    host = joined.cpu().numpy().astype(np.int64)
+    hosts = np.split(host, np.cumsum(sizes)[:-1])
+    lens = [_check_offsets_values(name, part, rows, rows_name)
+            for (name, _, rows, rows_name), part in zip(parts, hosts, strict=True)]
+    if len(sizes) > 1 and sizes[1] != sizes[0]:
+        raise ValueError(f"q_offsets has {sizes[1] - 1} sequences but kv_offsets has {sizes[0] - 1}: B must match")
+    owned = len(tensors) > 1
+    valid = _ValidOffsets(compared=joined if owned else joined.clone(), kernel=_kernel_offsets(joined, sizes, owned),
+                          host=hosts, lens=lens, token=next(_TOKENS))
+    _VALID[key] = valid
+    _VALID.move_to_end(key)
+    while len(_VALID) > _VALID_SIZE:
+        _VALID.popitem(last=False)
+    return valid
 
 
 def _check_max_len(name: str, value, real: int) -> int:
@@ -135,28 +195,26 @@ def validate(
     _check_head_dim("head dim of v", head_dim_v)
 
     _check_offsets_tensor("kv_offsets", kv_offsets, q.device)
+    parts = [("kv_offsets", kv_offsets, k.shape[0], "k and v")]
     if broadcast_q:
         if q_offsets is not None:
             raise ValueError("q_offsets must be None with broadcast_q=True: q is one shared query sequence")
-        joined, (kv_host,) = _to_host(kv_offsets)
     else:
         if q_offsets is None:
             raise ValueError("q_offsets is required unless broadcast_q=True")
         _check_offsets_tensor("q_offsets", q_offsets, q.device)
-        joined, (kv_host, q_host) = _to_host(kv_offsets, q_offsets)
-    kv_lens = _check_offsets_values("kv_offsets", kv_host, k.shape[0], "k and v")
+        parts.append(("q_offsets", q_offsets, q.shape[0], "q"))
+    valid = _valid_offsets(parts)
+    kv_host, kv_lens = valid.host[0], valid.lens[0]
     batch = kv_host.size - 1
     if broadcast_q:
-        q_lens = np.full(batch, q.shape[0], dtype=np.int64)
-        q_host = np.zeros(batch + 1, dtype=np.int64)
-        out_host = np.arange(batch + 1, dtype=np.int64) * q.shape[0]
+        q_host, out_host, q_lens, q_device, out_device = _broadcast_rows(valid, batch, q.shape[0], q.device)
+        kv_device = valid.kernel[0]
     else:
-        q_lens = _check_offsets_values("q_offsets", q_host, q.shape[0], "q")
-        if q_host.size != batch + 1:
-            raise ValueError(
-                f"q_offsets has {q_host.size - 1} sequences but kv_offsets has {batch}: B must match"
-            )
+        q_host, q_lens = valid.host[1], valid.lens[1]
         out_host = q_host
+        kv_device, q_device = valid.kernel
+        out_device = q_device
     if int(out_host[-1]) >= 2**31:
         raise ValueError(f"the output's {int(out_host[-1])} rows do not fit the int32 offsets kernels use")
 
@@ -180,14 +238,6 @@ def validate(
             raise ValueError(f"sm_scale must be finite, got {sm_scale}")
         sm_scale = float(sm_scale)
 
-    # Every rule holds: the kernels' offsets, made on the device.
-    if broadcast_q:
-        (kv_device,) = _kernel_offsets(joined, [batch + 1])
-        q_device = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
-        out_device = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * q.shape[0]
-    else:
-        kv_device, q_device = _kernel_offsets(joined, [batch + 1, q_host.size])
-        out_device = q_device
     return Problem(
         batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, head_dim_v=head_dim_v,
         dtype=q.dtype, device=q.device, sm_scale=sm_scale, window=window, causal=causal,
@@ -197,4 +247,20 @@ def validate(
         kv_offsets_host=torch.from_numpy(kv_host), q_lens=torch.from_numpy(q_lens),
         kv_lens=torch.from_numpy(kv_lens), max_q_len=max_q_len, max_kv_len=max_kv_len,
         q_rows=q.shape[0], out_rows=int(out_host[-1]), kv_rows=k.shape[0],
+        lengths_key=(valid.token, q.shape[0] if broadcast_q else None),
     )
+
+
+def _broadcast_rows(valid: _ValidOffsets, batch: int, shared_rows: int, device: torch.device) -> tuple:
+    """With broadcast_q, the query side of the problem (the same for every call on these kv offsets and this
+    shared query length): host q offsets (all 0), output offsets b·Lq, query lengths, and their kernel
+    copies."""
+    made = valid.broadcast.get(shared_rows)
+    if made is None:
+        q_host = np.zeros(batch + 1, dtype=np.int64)
+        out_host = np.arange(batch + 1, dtype=np.int64) * shared_rows
+        q_lens = np.full(batch, shared_rows, dtype=np.int64)
+        q_device = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+        out_device = torch.arange(batch + 1, dtype=torch.int32, device=device) * shared_rows
+        made = valid.broadcast[shared_rows] = (q_host, out_host, q_lens, q_device, out_device)
+    return made

@@ -166,6 +166,53 @@ def test_broadcast_offsets_are_made_for_the_kernels():
     assert problem.kv_offsets.tolist() == [0, 3, 3, 7]
 
 
+def _problem(args, **kwargs):
+    from jfa.validation import validate
+
+    options = dict(max_q_len=None, max_kv_len=None, sm_scale=None, window=None, causal=False, broadcast_q=False,
+                   deterministic=False)
+    options.update(kwargs)
+    return validate(args["q"], args["k"], args["v"], args["q_offsets"], args["kv_offsets"], **options)
+
+
+def test_repeated_offsets_are_recognised_by_value():
+    """Offsets equal to validated ones (another tensor, same values) reuse their host work and name the same
+    lengths; the same tensor written in place with other values is validated again and named anew."""
+    args = base()
+    first = _problem(args)
+    again = _problem(dict(args, q_offsets=args["q_offsets"].clone(), kv_offsets=args["kv_offsets"].clone()))
+    assert again.lengths_key == first.lengths_key
+    assert again.q_lens.tolist() == [3, 0, 2] and again.kv_lens.tolist() == [4, 2, 0]
+    args["q_offsets"].copy_(offsets([1, 2, 2]))  # in place: no new tensor, same size, other values
+    moved = _problem(args)
+    assert moved.lengths_key != first.lengths_key
+    assert moved.q_lens.tolist() == [1, 2, 2] and moved.q_offsets.tolist() == [0, 1, 3, 5]
+
+
+def test_repeated_offsets_are_checked_against_each_calls_shapes():
+    """The rules that involve the tensors' shapes apply on every call, also to offsets validated before;
+    same-size offsets that break a value rule are never taken for validated ones."""
+    args = base()
+    _problem(args)
+    with pytest.raises(ValueError, match=r"q_offsets\[-1\] = 5 must equal the number of q rows, 6"):
+        _problem(dict(args, q=torch.zeros(6, 4, 16, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match="q_offsets must be non-decreasing"):
+        _problem(dict(args, q_offsets=torch.tensor([0, 3, 2, 5], dtype=torch.int32)))
+    with pytest.raises(ValueError, match="max_q_len = 2 is smaller than the longest sequence, 3"):
+        _problem(args, max_q_len=2)
+
+
+def test_broadcast_rows_follow_the_shared_query_length():
+    """With broadcast_q the output rows follow q's length on every call, also on kv offsets seen before."""
+    k = torch.randn(7, 1, 16).bfloat16()
+    kv_off = offsets([3, 0, 4])
+    problems = [_problem(dict(q=torch.randn(rows, 2, 16).bfloat16(), k=k, v=k, q_offsets=None, kv_offsets=kv_off),
+                         broadcast_q=True) for rows in (5, 2, 5)]
+    assert [p.out_offsets.tolist() for p in problems] == [[0, 5, 10, 15], [0, 2, 4, 6], [0, 5, 10, 15]]
+    assert [p.q_lens.tolist() for p in problems] == [[5, 5, 5], [2, 2, 2], [5, 5, 5]]
+    assert problems[0].lengths_key == problems[2].lengths_key != problems[1].lengths_key
+
+
 def test_valid_edge_cases_are_accepted(recorder):
     """B = 0, all-empty batches and broadcast_q with q_offsets None are valid."""
     empty = torch.zeros(0, 2, 16, dtype=torch.bfloat16)

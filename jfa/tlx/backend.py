@@ -145,13 +145,13 @@ def host_plan(problem: Problem, pack_block: int) -> HostPlan:
         return HostPlan(path, reason, None, np.zeros(0, np.int64))
     from jfa.triton.backend import effective_window
 
-    q_lens, kv_lens = problem.q_lens.numpy(), problem.kv_lens.numpy()
     window = None if problem.window is None else effective_window(problem)
     cfg = CONFIGS[problem.head_dim]
-    key = (q_lens.tobytes(), kv_lens.tobytes(), problem.q_heads, window, problem.causal, cfg, pack_block)
+    key = (problem.lengths_key, problem.q_heads, window, problem.causal, cfg, pack_block)
     if key in _PLANS:
         _PLANS.move_to_end(key)
         return _PLANS[key]
+    q_lens, kv_lens = problem.q_lens.numpy(), problem.kv_lens.numpy()
     main, tiny = ts.split_packable(q_lens, kv_lens, pack_block)
     tiles = ts.query_tiles(q_lens, kv_lens, main, cfg.block_m, cfg.block_n, window, problem.causal, problem.q_heads)
     plan = HostPlan(path, reason, tiles, tiny)

@@ -17,8 +17,8 @@ Scheduling (`jfa.tile_scheduler`): JFA_TRITON_SCHEDULE = dynamic (default: atomi
 (zigzag) or grid (one program per tile); `set_schedule` overrides it in-process. Persistent grids are
 SMs × the programs an SM holds at once (`KernelConfig.resident`, from ptxas's register and shared-memory
 figures), never more: static dealing assumes every program starts at once. Tile tables are cached
-per distinct length profile (exact comparison of the lengths), so repeated calls on the same batch shape
-skip the host work and the host-to-device copy.
+per distinct length profile (`Problem.lengths_key`, which names the validated offsets' values), so repeated
+calls on the same batch shape skip the host work and the host-to-device copy.
 
 Memory beyond inputs, outputs and lse: residuals m and l ([Hq, rows] fp32 each), D ([Hq, rows] fp32) in
 the backward, tile tables (O(T) int32) and, with broadcast_q, fp32 dq partials ([rows, Hq, D]).
@@ -217,18 +217,16 @@ def effective_window(problem: Problem) -> int:
 
 
 def device_schedule(problem: Problem, config: BackendConfig) -> DeviceSchedule:
-    q_lens = problem.q_lens.numpy()
-    kv_lens = problem.kv_lens.numpy()
     window = None if problem.window is None else effective_window(problem)
-    key = (q_lens.size, int(q_lens.sum()), int(kv_lens.sum()), q_lens[:8].tobytes(), kv_lens[-8:].tobytes(),
-           problem.q_heads, problem.kv_heads, window, problem.causal, config, str(problem.device))
-    for cached_key, (cq, ckv, value) in _SCHEDULE_CACHE.items():
-        if cached_key == key and np.array_equal(cq, q_lens) and np.array_equal(ckv, kv_lens):
-            _SCHEDULE_CACHE.move_to_end(cached_key)
-            return value
+    key = (problem.lengths_key, problem.q_heads, problem.kv_heads, window, problem.causal, config,
+           str(problem.device))
+    value = _SCHEDULE_CACHE.get(key)
+    if value is not None:
+        _SCHEDULE_CACHE.move_to_end(key)
+        return value
     host = ts.build_schedule(
-        q_lens, kv_lens, q_heads=problem.q_heads, kv_heads=problem.kv_heads, window=window,
-        causal=problem.causal, fwd_blocks=(config.fwd.block_m, config.fwd.block_n),
+        problem.q_lens.numpy(), problem.kv_lens.numpy(), q_heads=problem.q_heads, kv_heads=problem.kv_heads,
+        window=window, causal=problem.causal, fwd_blocks=(config.fwd.block_m, config.fwd.block_n),
         dq_blocks=(config.dq.block_m, config.dq.block_n), dkv_blocks=(config.dkv.block_m, config.dkv.block_n),
         short_bwd_blocks=(config.short_bwd.block_m, config.short_bwd.block_n) if config.short_bwd else (0, 0),
         pack_fwd=config.packed_fwd.block_m, pack_bwd=config.packed_bwd.block_m,
@@ -240,8 +238,7 @@ def device_schedule(problem: Problem, config: BackendConfig) -> DeviceSchedule:
     sizes = [p.size for p in parts]
     flat = torch.from_numpy(np.concatenate(parts).astype(np.int32)).to(problem.device)
     views = list(torch.split(flat, sizes))
-    value = DeviceSchedule(host, *views)
-    _SCHEDULE_CACHE[key] = (q_lens.copy(), kv_lens.copy(), value)
+    value = _SCHEDULE_CACHE[key] = DeviceSchedule(host, *views)
     while len(_SCHEDULE_CACHE) > _SCHEDULE_CACHE_SIZE:
         _SCHEDULE_CACHE.popitem(last=False)
     return value
