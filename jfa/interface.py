@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from jfa import backends
-from jfa.problem import Problem
+from jfa.problem import Problem, StaleOffsets
 from jfa.validation import validate
 
 
@@ -53,13 +53,30 @@ def attention(
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-    problem = validate(
-        q, k, v, q_offsets, kv_offsets, max_q_len=max_q_len, max_kv_len=max_kv_len, sm_scale=sm_scale,
-        window=window, causal=causal, broadcast_q=broadcast_q, deterministic=deterministic,
-    )
+    options = dict(max_q_len=max_q_len, max_kv_len=max_kv_len, sm_scale=sm_scale, window=window, causal=causal,
+                   broadcast_q=broadcast_q, deterministic=deterministic)
+    # Speculative validation: the host work a call needs (checks, tile schedule, allocations, launch
+    # arguments) runs while the device still compares the offsets with validated ones; `Problem.confirm()`
+    # waits for that answer before the first launch, and a StaleOffsets starts the call over without it.
+    problem = validate(q, k, v, q_offsets, kv_offsets, **options, speculative=True)
     impl = backends.resolve(backend, problem.device)
+    try:
+        out, lse = _run(impl, q, k, v, problem)
+    except StaleOffsets:
+        problem = validate(q, k, v, q_offsets, kv_offsets, **options)
+        out, lse = _run(impl, q, k, v, problem)
+    return (out, lse) if return_lse else out
+
+
+def _run(impl, q, k, v, problem: Problem):
+    """The backend on `problem`. A backend that does not declare `speculative` gets a confirmed problem;
+    one that does confirms before its first launch; either way the problem is confirmed before the outputs
+    are returned (a forward with nothing to launch, a backward that relies on it)."""
+    if not getattr(impl, "speculative", False):
+        problem.confirm()
     if hasattr(impl, "forward"):
         out, lse = _KernelAttention.apply(q, k, v, impl, problem)
     else:
         out, lse = impl(q, k, v, problem)
-    return (out, lse) if return_lse else out
+    problem.confirm()
+    return out, lse

@@ -11,6 +11,11 @@ from dataclasses import dataclass
 import torch
 
 
+class StaleOffsets(Exception):
+    """A speculative Problem's offsets values were not the caller's (they changed since they were validated):
+    validate the call again without speculation."""
+
+
 @dataclass(frozen=True, eq=False)
 class Problem:
     batch: int
@@ -44,6 +49,15 @@ class Problem:
     # Names the offsets' values (and, with broadcast_q, the shared query length): equal keys, equal lengths.
     # Tile-schedule caches key on it instead of comparing the lengths.
     lengths_key: tuple
+    # For a speculative Problem (`validate(speculative=True)`): the pending device comparison of the caller's
+    # offsets with the validated values the Problem was built from; None when they were compared already.
+    confirmation: object = None
+
+    def confirm(self) -> None:
+        """Before the first launch that reads this Problem's offsets: returns once they are known to be the
+        caller's, raises StaleOffsets if they are not."""
+        if self.confirmation is not None and not self.confirmation.held():
+            raise StaleOffsets("the offsets changed since the values this problem was built from were validated")
 
     @property
     def group_size(self) -> int:

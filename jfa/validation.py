@@ -73,6 +73,7 @@ class _ValidOffsets:
     kernel: list[torch.Tensor]
     host: list[np.ndarray]
     lens: list[np.ndarray]
+    longest: list[int]
     token: int
     broadcast: dict = field(default_factory=dict)  # shared query rows -> (q_host, out_host, q_lens, q_dev, out_dev)
 
@@ -121,22 +122,56 @@ def _check_rows(name: str, host: np.ndarray, rows: int, rows_name: str) -> None:
         raise ValueError(f"{name}[-1] = {rows} does not fit the int32 offsets kernels use")
 
 
-def _valid_offsets(parts: list[tuple[str, torch.Tensor, int, str]]) -> _ValidOffsets:
+class _Confirmation:
+    """Whether the caller's offsets still equal the validated values a speculative Problem was built from:
+    a device comparison, on CUDA copied to pinned host memory behind an event, read once."""
+
+    def __init__(self, joined: torch.Tensor, known: torch.Tensor):
+        differs = torch.ne(joined, known).any()
+        self._event = None
+        if differs.is_cuda:
+            self._flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._flag.copy_(differs, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._flag = differs
+        self._held: bool | None = None
+
+    def held(self) -> bool:
+        if self._held is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._held = not bool(self._flag)
+        return self._held
+
+
+def _rows_hold(parts, valid: _ValidOffsets) -> bool:
+    return all(host[-1] == rows < 2**31 for (_, _, rows, _), host in zip(parts, valid.host, strict=True))
+
+
+def _valid_offsets(parts: list[tuple[str, torch.Tensor, int, str]],
+                   speculative: bool) -> tuple[_ValidOffsets, _Confirmation | None]:
     """Every rule of the offsets (name, tensor, rows, rows' name) in `parts`, in order, and their values.
 
     Values equal to the last validated ones of their size are recognised on the device (one boolean
     crosses to the host) and only the shape rules are checked again; other values travel to the host in one
-    copy, are checked and are remembered."""
+    copy, are checked and are remembered. `speculative`: when validated values of this size exist and the
+    shape rules hold for them, they are returned at once with the pending comparison (on CUDA, no wait)."""
     tensors = [t for _, t, _, _ in parts]
     sizes = [t.numel() for t in tensors]
     joined = _joined(tensors)
     key = (joined.device, joined.dtype, tuple(sizes))
     known = _VALID.get(key)
-    if known is not None and torch.equal(joined, known.compared):
-        _VALID.move_to_end(key)
-        for (name, _, rows, rows_name), host in zip(parts, known.host, strict=True):
-            _check_rows(name, host, rows, rows_name)
-        return known
+    if known is not None:
+        if speculative and _rows_hold(parts, known):
+            _VALID.move_to_end(key)
+            return known, _Confirmation(joined, known.compared)
+        if torch.equal(joined, known.compared):
+            _VALID.move_to_end(key)
+            for (name, _, rows, rows_name), host in zip(parts, known.host, strict=True):
+                _check_rows(name, host, rows, rows_name)
+            return known, None
     host = joined.cpu().numpy().astype(np.int64)
     hosts = np.split(host, np.cumsum(sizes)[:-1])
     lens = [_check_offsets_values(name, part, rows, rows_name)
@@ -145,12 +180,13 @@ def _valid_offsets(parts: list[tuple[str, torch.Tensor, int, str]]) -> _ValidOff
         raise ValueError(f"q_offsets has {sizes[1] - 1} sequences but kv_offsets has {sizes[0] - 1}: B must match")
     owned = len(tensors) > 1
     valid = _ValidOffsets(compared=joined if owned else joined.clone(), kernel=_kernel_offsets(joined, sizes, owned),
-                          host=hosts, lens=lens, token=next(_TOKENS))
+                          host=hosts, lens=lens, longest=[int(part.max()) if part.size else 0 for part in lens],
+                          token=next(_TOKENS))
     _VALID[key] = valid
     _VALID.move_to_end(key)
     while len(_VALID) > _VALID_SIZE:
         _VALID.popitem(last=False)
-    return valid
+    return valid, None
 
 
 def _check_max_len(name: str, value, real: int) -> int:
@@ -165,9 +201,14 @@ def _check_max_len(name: str, value, real: int) -> int:
 
 def validate(
     q, k, v, q_offsets, kv_offsets, *, max_q_len, max_kv_len, sm_scale, window, causal, broadcast_q,
-    deterministic,
+    deterministic, speculative: bool = False,
 ) -> Problem:
-    """Checks a call against the op contract and returns its `Problem`; raises TypeError/ValueError."""
+    """Checks a call against the op contract and returns its `Problem`; raises TypeError/ValueError.
+
+    speculative=True may return, without waiting for the device, a Problem built from validated offsets
+    whose equality with the caller's is still being checked on the device: `Problem.confirm()` (before
+    anything is launched on it) waits for that answer and raises `StaleOffsets` if they differ, and the
+    call is then validated again with speculative=False."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x, 3)
     for name, flag in (("causal", causal), ("broadcast_q", broadcast_q), ("deterministic", deterministic)):
@@ -204,24 +245,32 @@ def validate(
             raise ValueError("q_offsets is required unless broadcast_q=True")
         _check_offsets_tensor("q_offsets", q_offsets, q.device)
         parts.append(("q_offsets", q_offsets, q.shape[0], "q"))
-    valid = _valid_offsets(parts)
-    kv_host, kv_lens = valid.host[0], valid.lens[0]
-    batch = kv_host.size - 1
-    if broadcast_q:
-        q_host, out_host, q_lens, q_device, out_device = _broadcast_rows(valid, batch, q.shape[0], q.device)
-        kv_device = valid.kernel[0]
-    else:
-        q_host, q_lens = valid.host[1], valid.lens[1]
-        out_host = q_host
-        kv_device, q_device = valid.kernel
-        out_device = q_device
-    if int(out_host[-1]) >= 2**31:
-        raise ValueError(f"the output's {int(out_host[-1])} rows do not fit the int32 offsets kernels use")
+    valid, confirmation = _valid_offsets(parts, speculative)
+    try:
+        kv_host, kv_lens = valid.host[0], valid.lens[0]
+        batch = kv_host.size - 1
+        if broadcast_q:
+            q_host, out_host, q_lens, q_device, out_device = _broadcast_rows(valid, batch, q.shape[0], q.device)
+            kv_device = valid.kernel[0]
+        else:
+            q_host, q_lens = valid.host[1], valid.lens[1]
+            out_host = q_host
+            kv_device, q_device = valid.kernel
+            out_device = q_device
+        if int(out_host[-1]) >= 2**31:
+            raise ValueError(f"the output's {int(out_host[-1])} rows do not fit the int32 offsets kernels use")
 
-    real_max_q = int(q_lens.max()) if batch else 0
-    real_max_kv = int(kv_lens.max()) if batch else 0
-    max_q_len = _check_max_len("max_q_len", max_q_len, real_max_q)
-    max_kv_len = _check_max_len("max_kv_len", max_kv_len, real_max_kv)
+        real_max_q = (q.shape[0] if batch else 0) if broadcast_q else valid.longest[1]
+        real_max_kv = valid.longest[0]
+        bound_q = _check_max_len("max_q_len", max_q_len, real_max_q)
+        bound_kv = _check_max_len("max_kv_len", max_kv_len, real_max_kv)
+    except ValueError:
+        # A rule broken by speculative values: they may not be the caller's (then validate those instead).
+        if confirmation is not None and not confirmation.held():
+            return validate(q, k, v, q_offsets, kv_offsets, max_q_len=max_q_len, max_kv_len=max_kv_len,
+                            sm_scale=sm_scale, window=window, causal=causal, broadcast_q=broadcast_q,
+                            deterministic=deterministic)
+        raise
 
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, numbers.Integral):
@@ -245,9 +294,10 @@ def validate(
         q_offsets=q_device, out_offsets=out_device, kv_offsets=kv_device,
         q_offsets_host=torch.from_numpy(q_host), out_offsets_host=torch.from_numpy(out_host),
         kv_offsets_host=torch.from_numpy(kv_host), q_lens=torch.from_numpy(q_lens),
-        kv_lens=torch.from_numpy(kv_lens), max_q_len=max_q_len, max_kv_len=max_kv_len,
+        kv_lens=torch.from_numpy(kv_lens), max_q_len=bound_q, max_kv_len=bound_kv,
         q_rows=q.shape[0], out_rows=int(out_host[-1]), kv_rows=k.shape[0],
         lengths_key=(valid.token, q.shape[0] if broadcast_q else None),
+        confirmation=confirmation,
     )
 
 

@@ -340,6 +340,49 @@ def test_short_query_backward(mask, lengths):
 
 
 @needs_interpreter
+def test_offsets_written_in_place_between_calls():
+    """A loop that reuses one offsets buffer, written in place with other lengths of the same totals between
+    two calls: the second call's speculative problem (the remembered lengths) is found stale before its
+    first launch and the call runs on the new lengths, as their float64 reference confirms."""
+    q, k, v, q_off, kv_off, dout = make_inputs([5, 20, 9], [12, 3, 30], 2, 1, 16, 16, seed=21)
+    run_triton(q, k, v, q_off, kv_off, dout)
+    q_off.copy_(offsets([20, 5, 9]))
+    kv_off.copy_(offsets([3, 30, 12]))
+    got = run_triton(q, k, v, q_off, kv_off, dout)
+    problem = problem_of(q, k, v, q_off, kv_off)
+    assert problem.q_lens.tolist() == [20, 5, 9] and problem.kv_lens.tolist() == [3, 30, 12]
+    ref = reference(q, k, v, problem, dout)
+    ratios = {name: bound_ratio(got[name], *ref.tensors()[name][:2]) for name in NAMES}
+    assert max(ratios.values()) <= MAX_BOUND_RATIO, f"bound ratios {ratios}"
+
+
+@needs_interpreter
+def test_offsets_made_invalid_in_place_launch_nothing(monkeypatch):
+    """Offsets validated once, then written in place with values that break a rule: the call raises before
+    any kernel is launched, also on the speculative problem the remembered values give."""
+    from jfa.triton import forward as fwd_kernels
+
+    q, k, v, q_off, kv_off, dout = make_inputs([5, 20, 9], [12, 3, 30], 2, 1, 16, 16, seed=22)
+    run_triton(q, k, v, q_off, kv_off, dout)
+    launched = []
+
+    class Spy(type(fwd_kernels._fwd_kernel)):  # still an interpreted kernel to the backend's checks
+        def __init__(self):  # noqa: D107 - nothing of the real kernel is needed
+            pass
+
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(fwd_kernels, "_fwd_kernel", Spy())
+    monkeypatch.setattr(fwd_kernels, "_fwd_packed_kernel", Spy())
+    q_off.copy_(torch.tensor([0, 20, 15, 34], dtype=torch.int32))
+    with pytest.raises(ValueError, match="q_offsets must be non-decreasing"):
+        jfa.attention(q, k, v, q_off, kv_off, backend="triton")
+    assert launched == []
+
+
+@needs_interpreter
 def test_schedules_and_determinism():
     """Static zigzag, dynamic and one-program-per-tile scheduling (with several grid sizes) give bitwise
     identical results, and repeated runs are bitwise identical."""

@@ -213,6 +213,56 @@ def test_broadcast_rows_follow_the_shared_query_length():
     assert problems[0].lengths_key == problems[2].lengths_key != problems[1].lengths_key
 
 
+class SpeculativeRecorder(Recorder):
+    """A backend that takes speculative problems: it records the lengths it was given before and after
+    confirming, as a kernel backend's host work and launch would see them."""
+
+    speculative = True
+
+    def __init__(self):
+        super().__init__()
+        self.attempts = []
+
+    def __call__(self, q, k, v, problem):
+        self.attempts.append(problem.q_lens.tolist())
+        problem.confirm()
+        return super().__call__(q, k, v, problem)
+
+
+def test_speculative_problem_on_changed_offsets_is_never_launched_on():
+    """Offsets written in place between two calls (same size, new values): the second call's speculative
+    problem holds the earlier values until confirmed, confirming raises StaleOffsets, and the call is run
+    again on the caller's values; on unchanged offsets the speculation holds."""
+    from jfa.problem import StaleOffsets
+
+    backend = SpeculativeRecorder()
+    jfa.register_backend("speculative-recorder", backend)
+    args = base()
+    jfa.attention(**args, backend="speculative-recorder")
+    jfa.attention(**args, backend="speculative-recorder")
+    args["q_offsets"].copy_(offsets([1, 2, 2]))
+    stale = _problem(args, speculative=True)
+    assert stale.q_lens.tolist() == [3, 0, 2]
+    with pytest.raises(StaleOffsets):
+        stale.confirm()
+    jfa.attention(**args, backend="speculative-recorder")
+    assert backend.attempts == [[3, 0, 2]] * 3 + [[1, 2, 2]]  # the third call's first attempt stopped
+    assert backend.launched == 3
+
+
+def test_speculative_rule_failure_is_checked_on_the_callers_values():
+    """A rule that only the remembered values break (max_q_len below their longest sequence, not below the
+    caller's) raises nothing; one the caller's values break raises as always."""
+    args = base()
+    _problem(args)
+    args["q_offsets"].copy_(offsets([1, 2, 2]))
+    problem = _problem(args, max_q_len=2, speculative=True)
+    problem.confirm()
+    assert problem.max_q_len == 2 and problem.q_lens.tolist() == [1, 2, 2]
+    with pytest.raises(ValueError, match="max_q_len = 1 is smaller than the longest sequence, 2"):
+        _problem(args, max_q_len=1, speculative=True)
+
+
 def test_valid_edge_cases_are_accepted(recorder):
     """B = 0, all-empty batches and broadcast_q with q_offsets None are valid."""
     empty = torch.zeros(0, 2, 16, dtype=torch.bfloat16)

@@ -188,6 +188,7 @@ def _launch_tlx(q, k, v, out, lse, row_max, row_sum, plan: HostPlan, problem: Pr
     n_tiles = plan.tiles.n_tiles
     programs = min(n_tiles, torch.cuda.get_device_properties(device).multi_processor_count)
     scale = problem.sm_scale
+    problem.confirm()  # a speculative problem's offsets are the caller's before the kernel reads them
     with torch.cuda.device(device):
         kernel[(programs,)](
             desc_q, desc_k, desc_v, out, lse, row_max, row_sum,
@@ -206,6 +207,7 @@ def _forward_tiny(q, k, v, out, lse, row_max, row_sum, tiny: np.ndarray, problem
     from jfa.triton.backend import BACKEND as TRITON
     from jfa.validation import validate
 
+    problem.confirm()  # the row indices below come from the problem's offsets
     device = q.device
     q_lens, kv_lens = problem.q_lens.numpy(), problem.kv_lens.numpy()
 
@@ -233,6 +235,7 @@ def _forward_tiny(q, k, v, out, lse, row_max, row_sum, tiny: np.ndarray, problem
 
 class TlxBackend:
     name = "tlx"
+    speculative = True  # _launch_tlx, _forward_tiny and the Triton launches confirm the problem first
     description = ("TLX warp-specialised Hopper forward (TMA producer, ping-pong wgmma consumers, persistent "
                    "zigzag tiles) for D = Dv in {64, 128}; Triton forward otherwise and for tiny sequences; "
                    "Triton backward")

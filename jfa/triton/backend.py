@@ -267,7 +267,8 @@ def _autotune_enabled() -> bool:
     return not interpreting() and os.environ.get("JFA_TRITON_AUTOTUNE", "0") == "1"
 
 
-def _launch(kernel, cfg: KernelConfig, grid: int, **kwargs) -> None:
+def _launch(kernel, cfg: KernelConfig, grid: int, problem: Problem, **kwargs) -> None:
+    problem.confirm()  # a speculative problem's offsets are the caller's before anything reads them
     if _autotune_enabled() and len(cfg.stages) > 1:
         key = (kernel, cfg)
         if key not in _TUNED:
@@ -334,14 +335,14 @@ def forward(q, k, v, problem: Problem):
     if table.n_tiles:
         n = table.n_tiles
         _launch(fwd_kernels._fwd_kernel, config.fwd, _programs(n, config.fwd, schedule, device),
-                tiles=sched.fwd, n_tiles=n, counter=_counter(device), n_heads=hq,
+                problem, tiles=sched.fwd, n_tiles=n, counter=_counter(device), n_heads=hq,
                 BLOCK_M=config.fwd.block_m, BLOCK_N=config.fwd.block_n, **args)
     packed = sched.host.packed_fwd
     if packed.n_tiles:
         n = packed.n_tiles
         _launch(fwd_kernels._fwd_packed_kernel, config.packed_fwd, _programs(n, config.packed_fwd, schedule, device),
-                pack_seqs=sched.pack_fwd_seqs, pack_shift=sched.pack_fwd_shift, n_tiles=n, counter=_counter(device),
-                n_heads=hq, BLOCK=packed.block, SLOTS=packed.block // ts.PACK_ALIGN, **args)
+                problem, pack_seqs=sched.pack_fwd_seqs, pack_shift=sched.pack_fwd_shift, n_tiles=n,
+                counter=_counter(device), n_heads=hq, BLOCK=packed.block, SLOTS=packed.block // ts.PACK_ALIGN, **args)
     return out, lse, (row_max, row_sum)
 
 
@@ -371,8 +372,9 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem):
     if packed.n_tiles:
         n = packed.n_tiles
         _launch(bwd_kernels._bwd_packed_kernel, config.packed_bwd, _programs(n, config.packed_bwd, schedule, device),
-                Out=out, DQ=dq_target, DK=dk, DV=dv, pack_seqs=sched.pack_bwd_seqs, pack_shift=sched.pack_bwd_shift,
-                n_tiles=n, counter=_counter(device), so_t=out.stride(0), so_h=out.stride(1),
+                problem, Out=out, DQ=dq_target, DK=dk, DV=dv, pack_seqs=sched.pack_bwd_seqs,
+                pack_shift=sched.pack_bwd_shift, n_tiles=n, counter=_counter(device), so_t=out.stride(0),
+                so_h=out.stride(1),
                 sdq_t=dq_target.stride(0), sdq_h=dq_target.stride(1), sdk_t=dk.stride(0), sdk_h=dk.stride(1),
                 sdv_t=dv.stride(0), sdv_h=dv.stride(1), n_heads=hq, BLOCK=packed.block,
                 SLOTS=packed.block // ts.PACK_ALIGN, DQ_PARTIAL=partial, **args)
@@ -380,22 +382,23 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem):
     if table.n_tiles:
         n = table.n_tiles
         _launch(bwd_kernels._bwd_short_kernel, config.short_bwd, _programs(n, config.short_bwd, schedule, device),
-                Out=out, DQ=dq_target, DK=dk, DV=dv, tiles=sched.short_bwd, n_tiles=n, counter=_counter(device),
-                so_t=out.stride(0), so_h=out.stride(1), sdq_t=dq_target.stride(0), sdq_h=dq_target.stride(1),
-                sdk_t=dk.stride(0), sdk_h=dk.stride(1), sdv_t=dv.stride(0), sdv_h=dv.stride(1), n_heads=hq,
-                BLOCK_M=config.short_bwd.block_m, BLOCK_N=config.short_bwd.block_n, DQ_PARTIAL=partial, **args)
+                problem, Out=out, DQ=dq_target, DK=dk, DV=dv, tiles=sched.short_bwd, n_tiles=n,
+                counter=_counter(device), so_t=out.stride(0), so_h=out.stride(1), sdq_t=dq_target.stride(0),
+                sdq_h=dq_target.stride(1), sdk_t=dk.stride(0), sdk_h=dk.stride(1), sdv_t=dv.stride(0),
+                sdv_h=dv.stride(1), n_heads=hq, BLOCK_M=config.short_bwd.block_m, BLOCK_N=config.short_bwd.block_n,
+                DQ_PARTIAL=partial, **args)
     table = sched.host.dq
     if table.n_tiles:
         n = table.n_tiles
         _launch(bwd_kernels._dq_kernel, config.dq, _programs(n, config.dq, schedule, device),
-                Out=out, DQ=dq_target, Delta=delta, tiles=sched.dq, n_tiles=n, counter=_counter(device),
+                problem, Out=out, DQ=dq_target, Delta=delta, tiles=sched.dq, n_tiles=n, counter=_counter(device),
                 so_t=out.stride(0), so_h=out.stride(1), sdq_t=dq_target.stride(0), sdq_h=dq_target.stride(1),
                 n_heads=hq, BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n, DQ_PARTIAL=partial, **args)
     table = sched.host.dkv
     if table.n_tiles:
         n = table.n_tiles
         _launch(bwd_kernels._dkv_kernel, config.dkv, _programs(n, config.dkv, schedule, device),
-                DK=dk, DV=dv, Delta=delta, tiles=sched.dkv, n_tiles=n, counter=_counter(device),
+                problem, DK=dk, DV=dv, Delta=delta, tiles=sched.dkv, n_tiles=n, counter=_counter(device),
                 sdk_t=dk.stride(0), sdk_h=dk.stride(1), sdv_t=dv.stride(0), sdv_h=dv.stride(1),
                 n_kv_heads=problem.kv_heads, BLOCK_M=config.dkv.block_m, BLOCK_N=config.dkv.block_n, **args)
     if partial:
@@ -437,6 +440,7 @@ INTERPRETER_WORK_LIMIT = 5e8
 
 class TritonBackend:
     name = "triton"
+    speculative = True  # every launch goes through _launch, which confirms the problem first
     description = "portable Triton kernels: persistent sorted/zigzag or dynamic tiles, packed tiny sequences"
 
     def unavailable(self, device: torch.device) -> str | None:
