@@ -12,6 +12,9 @@ on the device with the last validated one of its size, and when they are equal (
 host) the earlier host copies, lengths and kernel offsets serve again. Only values that passed every rule
 independent of the tensors' shapes are remembered; the rules that involve shapes (last offset = rows) are
 checked on every call. The remembered arrays are shared by the Problems of such calls and never written.
+With `speculative=True` (what `jfa.attention` asks for) such a call does not even wait for that boolean: it
+gets a Problem built from the remembered values at once and `Problem.confirm()` reads the answer before the
+first launch (see `validate`).
 """
 
 from __future__ import annotations
@@ -307,6 +310,8 @@ def _broadcast_rows(valid: _ValidOffsets, batch: int, shared_rows: int, device: 
     copies."""
     made = valid.broadcast.get(shared_rows)
     if made is None:
+        if len(valid.broadcast) >= _VALID_SIZE:  # a bounded memory of shared lengths, like _VALID's
+            valid.broadcast.clear()
         q_host = np.zeros(batch + 1, dtype=np.int64)
         out_host = np.arange(batch + 1, dtype=np.int64) * shared_rows
         q_lens = np.full(batch, shared_rows, dtype=np.int64)
