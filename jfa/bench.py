@@ -14,8 +14,10 @@ before timing). Reported: forward time, forward+backward time, backward = (fwd+b
 count only visible (query, key) pairs — forward 4·pairs·D per head, backward 2.5× that — the ratio of
 each to torch-varlen (FlashAttention-2), GB/s of compulsory traffic (inputs read and outputs written
 once: q, k, v, out, lse forward; q, k, v, out, dout, lse read and dq, dk, dv written backward), and peak
-extra memory (torch.cuda.max_memory_allocated minus inputs and outputs). --json writes everything with
-the environment (GPU, driver, CUDA, torch, triton versions, date).
+extra memory (torch.cuda.max_memory_allocated minus inputs and outputs), and the forward's host time: its
+do_bench time minus the device time of its kernels and copies (torch.profiler), i.e. what the GPU waited
+for the host between calls (the op's one wait for the offsets, then its host work until the launch).
+--json writes everything with the environment (GPU, driver, CUDA, torch, triton versions, date).
 """
 
 from __future__ import annotations
@@ -165,11 +167,7 @@ def bench_row(row: str, backends, dtype, head_dim: int, causal: bool, window, re
         except Exception as error:  # noqa: BLE001 - report and go on with the other backends
             record["error"] = f"{type(error).__name__}: {str(error)[:500]}"
         if "fwdbwd_ms" in record:
-            record["bwd_ms"] = record["fwdbwd_ms"] - record["fwd_ms"]
-            record["fwd_tflops"] = fwd_flops / record["fwd_ms"] * 1e-9
-            record["bwd_tflops"] = bwd_flops / record["bwd_ms"] * 1e-9 if record["bwd_ms"] > 0 else float("nan")
-            record["fwd_gbps"] = fwd_bytes / record["fwd_ms"] * 1e-6
-            record["bwd_gbps"] = bwd_bytes / record["bwd_ms"] * 1e-6 if record["bwd_ms"] > 0 else float("nan")
+            derive(record, fwd_bytes, bwd_bytes)
         results.append(record)
         torch.cuda.empty_cache()
         _print_record(record)
@@ -179,6 +177,30 @@ def bench_row(row: str, backends, dtype, head_dim: int, causal: bool, window, re
             r["fwd_vs_varlen"] = peer["fwd_ms"] / r["fwd_ms"]
             r["bwd_vs_varlen"] = peer["bwd_ms"] / r["bwd_ms"] if r["bwd_ms"] > 0 else float("nan")
     return results, input_bytes
+
+
+def derive(record: dict, fwd_bytes: float, bwd_bytes: float) -> None:
+    """A timed record's derived figures: backward = (fwd+bwd) - fwd, TFLOP/s, GB/s, and the forward's host
+    time the GPU waited for (the op's time minus its kernels' and copies' device time)."""
+    record["bwd_ms"] = record["fwdbwd_ms"] - record["fwd_ms"]
+    record["fwd_tflops"] = record["fwd_flops"] / record["fwd_ms"] * 1e-9
+    record["bwd_tflops"] = record["bwd_flops"] / record["bwd_ms"] * 1e-9 if record["bwd_ms"] > 0 else float("nan")
+    record["fwd_gbps"] = fwd_bytes / record["fwd_ms"] * 1e-6
+    record["bwd_gbps"] = bwd_bytes / record["bwd_ms"] * 1e-6 if record["bwd_ms"] > 0 else float("nan")
+    record["fwd_host_ms"] = record["fwd_ms"] - record["fwd_device_ms"]
+
+
+def _device_ms(fn, calls: int = 5) -> float:
+    """Device time of one call: the kernels and copies the profiler records on the GPU, over `calls` calls."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(event.device_time_total for event in prof.key_averages()) / calls * 1e-3
 
 
 def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: int) -> None:
@@ -211,6 +233,7 @@ def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: in
         del result
         times = [triton.testing.do_bench(fn, warmup=25, rep=100) for _ in range(repeats)]
         record[f"{key}_ms"] = float(np.median(times))
+        record[f"{key}_device_ms"] = _device_ms(fn)
 
 
 def _print_record(r):
@@ -223,7 +246,7 @@ def _print_record(r):
 
 def print_table(results) -> None:
     head = (f"{'row':9s} {'backend':13s} {'fwd ms':>8s} {'TF/s':>6s} {'xFA2':>5s} {'bwd ms':>8s} {'TF/s':>6s} "
-            f"{'xFA2':>5s} {'fwd GB/s':>8s} {'bwd GB/s':>8s} {'extra MiB f/fb':>15s}")
+            f"{'xFA2':>5s} {'fwd GB/s':>8s} {'bwd GB/s':>8s} {'extra MiB f/fb':>15s} {'fwd host ms':>11s}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -237,7 +260,7 @@ def print_table(results) -> None:
         extra = f"{r['fwd_extra_bytes'] / 2**20:.0f}/{r['fwdbwd_extra_bytes'] / 2**20:.0f}"
         print(f"{r['row']:9s} {r['backend']:13s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:6.1f} {ratio('fwd_vs_varlen')} "
               f"{r['bwd_ms']:8.3f} {r['bwd_tflops']:6.1f} {ratio('bwd_vs_varlen')} {r['fwd_gbps']:8.0f} "
-              f"{r['bwd_gbps']:8.0f} {extra:>15s}")
+              f"{r['bwd_gbps']:8.0f} {extra:>15s} {r['fwd_host_ms']:11.3f}")
 
 
 def main(argv=None) -> int:
@@ -263,7 +286,8 @@ def main(argv=None) -> int:
     print(f"{env['gpu']}  driver {env['driver']}  CUDA {env['cuda']}  torch {env['torch']}  triton {env['triton']}  "
           f"{args.dtype} D={args.head_dim} causal={args.causal} window={args.window}", flush=True)
     print("TFLOP/s count visible pairs only: forward 4·pairs·D per head, backward 2.5x that; "
-          "backward time = (fwd+bwd) - fwd; xFA2 = torch-varlen time / this time.", flush=True)
+          "backward time = (fwd+bwd) - fwd; xFA2 = torch-varlen time / this time; fwd host ms = forward time "
+          "minus its device time (kernels and copies, profiler): what the GPU waited for the host.", flush=True)
     results = []
     for row in args.rows:
         rows, _ = bench_row(row, args.backends, dtype, args.head_dim, args.causal, args.window, args.repeats,
