@@ -14,9 +14,10 @@ before timing). Reported: forward time, forward+backward time, backward = (fwd+b
 count only visible (query, key) pairs — forward 4·pairs·D per head, backward 2.5× that — the ratio of
 each to torch-varlen (FlashAttention-2), GB/s of compulsory traffic (inputs read and outputs written
 once: q, k, v, out, lse forward; q, k, v, out, dout, lse read and dq, dk, dv written backward), and peak
-extra memory (torch.cuda.max_memory_allocated minus inputs and outputs), and the forward's host time: its
-do_bench time minus the device time of its kernels and copies (torch.profiler), i.e. what the GPU waited
-for the host between calls (the op's one wait for the offsets, then its host work until the launch).
+extra memory (torch.cuda.max_memory_allocated minus inputs and outputs), and the forward's host time: over
+ten calls made back to back, the GPU's elapsed time minus the device time of their kernels and copies
+(torch.profiler), per call, i.e. what the GPU waited for the host between calls (the op's one wait for the
+offsets, then its host work until the launch; the profiler's own cost per launch is in it).
 --json writes everything with the environment (GPU, driver, CUDA, torch, triton versions, date).
 """
 
@@ -180,27 +181,30 @@ def bench_row(row: str, backends, dtype, head_dim: int, causal: bool, window, re
 
 
 def derive(record: dict, fwd_bytes: float, bwd_bytes: float) -> None:
-    """A timed record's derived figures: backward = (fwd+bwd) - fwd, TFLOP/s, GB/s, and the forward's host
-    time the GPU waited for (the op's time minus its kernels' and copies' device time)."""
+    """A timed record's derived figures: backward = (fwd+bwd) - fwd, TFLOP/s and GB/s."""
     record["bwd_ms"] = record["fwdbwd_ms"] - record["fwd_ms"]
     record["fwd_tflops"] = record["fwd_flops"] / record["fwd_ms"] * 1e-9
     record["bwd_tflops"] = record["bwd_flops"] / record["bwd_ms"] * 1e-9 if record["bwd_ms"] > 0 else float("nan")
     record["fwd_gbps"] = fwd_bytes / record["fwd_ms"] * 1e-6
     record["bwd_gbps"] = bwd_bytes / record["bwd_ms"] * 1e-6 if record["bwd_ms"] > 0 else float("nan")
-    record["fwd_host_ms"] = record["fwd_ms"] - record["fwd_device_ms"]
 
 
-def _device_ms(fn, calls: int = 5) -> float:
-    """Device time of one call: the kernels and copies the profiler records on the GPU, over `calls` calls."""
+def _device_and_host_ms(fn, calls: int = 10) -> tuple[float, float]:
+    """Per call of `fn`, made back to back: the device time of its kernels and copies (torch.profiler) and
+    the rest of the span the calls took on the GPU's clock, i.e. the time the GPU waited for the host."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
         for _ in range(calls):
             fn()
+        end.record()
         torch.cuda.synchronize()
-    return sum(event.device_time_total for event in prof.key_averages()) / calls * 1e-3
+    device = sum(event.device_time_total for event in prof.key_averages()) * 1e-3
+    return device / calls, (start.elapsed_time(end) - device) / calls
 
 
 def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: int) -> None:
@@ -233,7 +237,7 @@ def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: in
         del result
         times = [triton.testing.do_bench(fn, warmup=25, rep=100) for _ in range(repeats)]
         record[f"{key}_ms"] = float(np.median(times))
-        record[f"{key}_device_ms"] = _device_ms(fn)
+        record[f"{key}_device_ms"], record[f"{key}_host_ms"] = _device_and_host_ms(fn)
 
 
 def _print_record(r):
@@ -286,8 +290,9 @@ def main(argv=None) -> int:
     print(f"{env['gpu']}  driver {env['driver']}  CUDA {env['cuda']}  torch {env['torch']}  triton {env['triton']}  "
           f"{args.dtype} D={args.head_dim} causal={args.causal} window={args.window}", flush=True)
     print("TFLOP/s count visible pairs only: forward 4·pairs·D per head, backward 2.5x that; "
-          "backward time = (fwd+bwd) - fwd; xFA2 = torch-varlen time / this time; fwd host ms = forward time "
-          "minus its device time (kernels and copies, profiler): what the GPU waited for the host.", flush=True)
+          "backward time = (fwd+bwd) - fwd; xFA2 = torch-varlen time / this time; fwd host ms = the forward's "
+          "GPU time per call, back to back, minus its kernels' and copies' device time: what the GPU waited for "
+          "the host.", flush=True)
     results = []
     for row in args.rows:
         rows, _ = bench_row(row, args.backends, dtype, args.head_dim, args.causal, args.window, args.repeats,
