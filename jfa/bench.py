@@ -14,10 +14,11 @@ before timing). Reported: forward time, forward+backward time, backward = (fwd+b
 count only visible (query, key) pairs — forward 4·pairs·D per head, backward 2.5× that — the ratio of
 each to torch-varlen (FlashAttention-2), GB/s of compulsory traffic (inputs read and outputs written
 once: q, k, v, out, lse forward; q, k, v, out, dout, lse read and dq, dk, dv written backward), and peak
-extra memory (torch.cuda.max_memory_allocated minus inputs and outputs), and the forward's host time: over
-ten calls made back to back, the GPU's elapsed time minus the device time of their kernels and copies
-(torch.profiler), per call, i.e. what the GPU waited for the host between calls (the op's one wait for the
-offsets, then its host work until the launch; the profiler's own cost per launch is in it).
+extra memory (torch.cuda.max_memory_allocated minus inputs and outputs), and the forward's device time (its
+kernels and copies, torch.profiler over five calls): the forward's time minus it is what the GPU waited for
+the host (the op's one wait for the offsets, then its host work until the launch), within the spread of
+kernel times between two measurements (a few % on the long rows). A profiled loop would add the profiler's
+own cost per launch to that difference.
 --json writes everything with the environment (GPU, driver, CUDA, torch, triton versions, date).
 """
 
@@ -189,22 +190,17 @@ def derive(record: dict, fwd_bytes: float, bwd_bytes: float) -> None:
     record["bwd_gbps"] = bwd_bytes / record["bwd_ms"] * 1e-6 if record["bwd_ms"] > 0 else float("nan")
 
 
-def _device_and_host_ms(fn, calls: int = 10) -> tuple[float, float]:
-    """Per call of `fn`, made back to back: the device time of its kernels and copies (torch.profiler) and
-    the rest of the span the calls took on the GPU's clock, i.e. the time the GPU waited for the host."""
+def _device_ms(fn, calls: int = 5) -> float:
+    """Device time of one call: the kernels and copies the profiler records on the GPU, over `calls` calls."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start.record()
         for _ in range(calls):
             fn()
-        end.record()
         torch.cuda.synchronize()
-    device = sum(event.device_time_total for event in prof.key_averages()) * 1e-3
-    return device / calls, (start.elapsed_time(end) - device) / calls
+    return sum(event.device_time_total for event in prof.key_averages()) / calls * 1e-3
 
 
 def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: int) -> None:
@@ -237,7 +233,7 @@ def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: in
         del result
         times = [triton.testing.do_bench(fn, warmup=25, rep=100) for _ in range(repeats)]
         record[f"{key}_ms"] = float(np.median(times))
-        record[f"{key}_device_ms"], record[f"{key}_host_ms"] = _device_and_host_ms(fn)
+        record[f"{key}_device_ms"] = _device_ms(fn)
 
 
 def _print_record(r):
@@ -250,7 +246,7 @@ def _print_record(r):
 
 def print_table(results) -> None:
     head = (f"{'row':9s} {'backend':13s} {'fwd ms':>8s} {'TF/s':>6s} {'xFA2':>5s} {'bwd ms':>8s} {'TF/s':>6s} "
-            f"{'xFA2':>5s} {'fwd GB/s':>8s} {'bwd GB/s':>8s} {'extra MiB f/fb':>15s} {'fwd host ms':>11s}")
+            f"{'xFA2':>5s} {'fwd GB/s':>8s} {'bwd GB/s':>8s} {'extra MiB f/fb':>15s} {'fwd dev ms':>10s}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -264,7 +260,7 @@ def print_table(results) -> None:
         extra = f"{r['fwd_extra_bytes'] / 2**20:.0f}/{r['fwdbwd_extra_bytes'] / 2**20:.0f}"
         print(f"{r['row']:9s} {r['backend']:13s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:6.1f} {ratio('fwd_vs_varlen')} "
               f"{r['bwd_ms']:8.3f} {r['bwd_tflops']:6.1f} {ratio('bwd_vs_varlen')} {r['fwd_gbps']:8.0f} "
-              f"{r['bwd_gbps']:8.0f} {extra:>15s} {r['fwd_host_ms']:11.3f}")
+              f"{r['bwd_gbps']:8.0f} {extra:>15s} {r['fwd_device_ms']:10.3f}")
 
 
 def main(argv=None) -> int:
@@ -290,9 +286,8 @@ def main(argv=None) -> int:
     print(f"{env['gpu']}  driver {env['driver']}  CUDA {env['cuda']}  torch {env['torch']}  triton {env['triton']}  "
           f"{args.dtype} D={args.head_dim} causal={args.causal} window={args.window}", flush=True)
     print("TFLOP/s count visible pairs only: forward 4·pairs·D per head, backward 2.5x that; "
-          "backward time = (fwd+bwd) - fwd; xFA2 = torch-varlen time / this time; fwd host ms = the forward's "
-          "GPU time per call, back to back, minus its kernels' and copies' device time: what the GPU waited for "
-          "the host.", flush=True)
+          "backward time = (fwd+bwd) - fwd; xFA2 = torch-varlen time / this time; fwd dev ms = the forward's "
+          "kernels and copies (profiler); fwd ms - fwd dev ms = what the GPU waited for the host.", flush=True)
     results = []
     for row in args.rows:
         rows, _ = bench_row(row, args.backends, dtype, args.head_dim, args.causal, args.window, args.repeats,
