@@ -125,6 +125,11 @@ def _sorted_table(seq_rep, starts, work, heads: int) -> TileTable:
     return TileTable(entries=np.ascontiguousarray(entries), work=work[order], heads=heads)
 
 
+def _empty_table(heads: int) -> TileTable:
+    """The table of a kernel that is off (no blocks to size its tiles with)."""
+    return TileTable(entries=np.zeros((0, 2), dtype=np.int32), work=np.zeros(0, dtype=np.int64), heads=heads)
+
+
 def query_tiles(q_lens, kv_lens, seqs, block_m: int, block_n: int, window: int | None, causal: bool,
                 heads: int) -> TileTable:
     """Tiles over query blocks (forward, dQ), sorted by the number of key blocks visited."""
@@ -230,7 +235,7 @@ def build_schedule(q_lens, kv_lens, *, q_heads: int, kv_heads: int, window: int 
         dq=query_tiles(q_lens, kv_lens, main_bwd, dq_blocks[0], dq_blocks[1], window, causal, q_heads),
         dkv=key_tiles(q_lens, kv_lens, main_bwd, dkv_blocks[1], dkv_blocks[0], window, causal, kv_heads, group),
         short_bwd=query_tiles(q_lens, kv_lens, short_bwd, short_bwd_blocks[0], short_bwd_blocks[1], window, causal,
-                              q_heads),
+                              q_heads) if short_bwd_blocks[0] else _empty_table(q_heads),
         packed_fwd=pack_tiles(q_lens, kv_lens, packed_fwd, pack_fwd),
         packed_bwd=pack_tiles(q_lens, kv_lens, packed_bwd, pack_bwd),
         profile=profile_class(q_lens, kv_lens, max(pack_fwd, pack_bwd)),

@@ -83,6 +83,11 @@ def test_short_query_split():
                             dq_blocks=(64, 64), dkv_blocks=(32, 64), short_bwd_blocks=(128, 64), pack_fwd=32,
                             pack_bwd=32)
     assert gqa.short_bwd.n_tiles == 0 and sorted(set(gqa.dq.entries[:, 0].tolist())) == [1, 2, 3, 4, 5, 7]
+    off = ts.build_schedule(q, kv, q_heads=3, kv_heads=3, window=None, causal=False, fwd_blocks=(64, 64),
+                            dq_blocks=(64, 64), dkv_blocks=(32, 64), short_bwd_blocks=(0, 0), pack_fwd=32,
+                            pack_bwd=32)  # no short-query config (head dims above 128)
+    assert off.short_bwd.n_tiles == 0 and off.short_bwd.entries.shape == (0, 2) and off.short_bwd.heads == 3
+    assert sorted(set(off.dq.entries[:, 0].tolist())) == [1, 2, 3, 4, 5, 7]
 
 
 def test_pack_tiles():
