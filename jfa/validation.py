@@ -136,7 +136,7 @@ class _Confirmation:
             self._flag = torch.empty((), dtype=torch.bool, pin_memory=True)
             self._flag.copy_(differs, non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(differs.device))  # the offsets' GPU, not the current one
         else:
             self._flag = differs
         self._held: bool | None = None
