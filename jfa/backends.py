@@ -20,6 +20,10 @@ from jfa.problem import Problem
 
 
 class Backend(Protocol):
+    """Optionally `speculative = True`: the backend accepts a Problem whose offsets are still being compared
+    on the device (`jfa.validation.validate(speculative=True)`) and calls `problem.confirm()` before its first
+    launch that reads them; other backends get confirmed problems."""
+
     name: str
     description: str
 
