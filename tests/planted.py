@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,12 @@ class Bug:
     description: str
     caught_by: str  # "<test>:<check>", e.g. "forward:bound" or "invariants:written"
     families: tuple[str, ...]  # case families where it shows
+    op_level: bool = False  # planted around the op (it needs the caller's tensors), not inside the emulator
+
+    @property
+    def spec(self) -> str:
+        """The backend spec the suite runs it as."""
+        return f"tests.planted:{self.name}" if self.op_level else f"planted-{self.name}"
 
 
 BUGS = (
@@ -64,8 +71,11 @@ BUGS = (
         "invariants:batch_alone", ("gem_like:0", "one_huge_many_tiny:0", "power_law:0")),
     Bug("dq_first_segment_only", "dq uses the first sequence's keys for every sequence (a zero batch stride)",
         "backward:bound", ("uniform:0", "gem_like:0")),
+    Bug("offsets_cached_by_address", "host state kept per offsets buffer (keyed by its address): a buffer "
+        "rewritten in place keeps the lengths of its first call", "invariants:offsets_reused",
+        ("uniform:0", "gem_like:0"), op_level=True),
 )
-BUG_NAMES = tuple(bug.name for bug in BUGS)
+BUG_NAMES = tuple(bug.name for bug in BUGS if not bug.op_level)
 
 
 def _round(x: torch.Tensor, dtype: torch.dtype, truncate: bool = False) -> torch.Tensor:
@@ -281,3 +291,16 @@ def _callable(name: str):
 
 emulator = _callable("emulator")
 globals().update({bug: _callable(f"planted-{bug}") for bug in BUG_NAMES})
+
+# Per kv offsets tensor object (by id, dropped when the tensor is freed, so a new tensor never inherits it).
+_BY_BUFFER: dict = {}
+
+
+def offsets_cached_by_address(q, k, v, q_offsets, kv_offsets, **kwargs):
+    """The clean emulator behind host state kept per offsets buffer: the offsets the buffers held at their
+    first call are used for every later call on them."""
+    key = id(kv_offsets)
+    if key not in _BY_BUFFER:
+        _BY_BUFFER[key] = (None if q_offsets is None else q_offsets.clone(), kv_offsets.clone())
+        weakref.finalize(kv_offsets, _BY_BUFFER.pop, key, None)
+    return jfa.attention(q, k, v, *_BY_BUFFER[key], backend="emulator", **kwargs)

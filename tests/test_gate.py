@@ -100,7 +100,7 @@ def test_suite_run_through_the_gate_passes(tmp_path):
                            "--plugin", "tests.planted", "-n", "0", "--out", str(out)], cwd=gate.REPO,
                           env=gate.suite_env(gate.REPO), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "compared 12 records with the baseline; 0 new" in proc.stdout  # out, lse, dq, dk, dv, 7 invariants
+    assert "compared 13 records with the baseline; 0 new" in proc.stdout  # out, lse, dq, dk, dv, 8 invariants
     assert "baseline: emulator" in proc.stdout
     device_line = next(line for line in proc.stdout.splitlines() if line.startswith("device_class"))
     assert device_line.split() == ["device_class", "cpu-interpreter", "cpu-interpreter"]
@@ -126,7 +126,7 @@ def test_legitimate_block_size_change_passes_and_truncating_config_fails(tmp_pat
 @pytest.mark.parametrize("bug", planted.BUGS, ids=lambda bug: bug.name)
 def test_planted_bug_fails_the_gate(bug, tmp_path):
     test, check = bug.caught_by.split(":")
-    path = write_results(tmp_path / "bug.jsonl", f"planted-{bug.name}", bug.families, (test,))
+    path = write_results(tmp_path / "bug.jsonl", bug.spec, bug.families, (test,))
     code, output = run_gate("--results", path, "--compare-as", "emulator")
     assert code == 1, output
     assert f"check:{check}" in output, output

@@ -19,7 +19,7 @@ def failed_checks(records: list[dict]) -> set[str]:
 def test_planted_bug_is_caught(bug):
     test, check = bug.caught_by.split(":")
     caught_on = [case for case in bug.families
-                 if check in failed_checks(check_case(f"planted-{bug.name}", case, test, CPU))]
+                 if check in failed_checks(check_case(bug.spec, case, test, CPU))]
     assert caught_on, f"{bug.name} ({bug.description}) passed the {check} check on {bug.families}"
 
 

@@ -1,5 +1,5 @@
 """The invariants of DESIGN.md checked exactly (bitwise): every element written, repeatable runs,
-deterministic dq, padding insensitivity, batch invariance, inputs untouched."""
+deterministic dq, offsets buffers reused, padding insensitivity, batch invariance, inputs untouched."""
 
 from __future__ import annotations
 
@@ -150,6 +150,7 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
         second = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
         findings["deterministic"] = _differences(first, second, all_names)
     if "batch" in waived:
+        findings["offsets_reused"] = _rerun_in(_rotated_buffers(fn, inputs), fn, inputs, base)
         return _with_inputs_check(findings, inputs, before)
 
     padded = inputs.with_nan_tail(7)
@@ -157,7 +158,7 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
                      padded.kwargs, backward=True)
     findings["padding"] = _differences(base, padded_out, all_names)
 
-    findings["batch_permuted"], findings["batch_alone"] = [], []
+    findings["batch_permuted"], findings["batch_alone"], findings["offsets_reused"] = [], [], []
     # A sub-batch is called without max_*_len, so a kernel whose arithmetic depends on them shows up too.
     sub_kwargs = {**inputs.kwargs, "max_q_len": None, "max_kv_len": None}
     if ctx.problem.batch > 1:
@@ -167,8 +168,38 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
             sub_args, out_parts, kv_parts = sub_batch(ctx, sub_order)
             sub_out = run(fn, *sub_args, sub_kwargs, backward=True)
             findings[name] += compare_sub_batch(ctx, base, sub_out, sub_order, out_parts, kv_parts)
+            if name == "batch_permuted":
+                # Its offsets buffers served a checked call of the case's size: now the case's own, in place.
+                findings["offsets_reused"] = _rerun_in(sub_args[3:5], fn, inputs, base)
 
     return _with_inputs_check(findings, inputs, before)
+
+
+def _rerun_in(buffers, fn, inputs, base: Outputs) -> list[str]:
+    """The case's call again, its offsets written in place into buffers (q's or None, kv's) that served
+    another call of their size first, as a training loop reuses one buffer: a kernel that keeps host state by
+    buffer (a tile schedule cached by tensor identity or address) runs the old lengths. Compared with `base`
+    like a repeated run."""
+    for target, offsets in zip(buffers, (inputs.q_offsets, inputs.kv_offsets), strict=True):
+        if target is not None:
+            target.copy_(offsets)
+    again = run(fn, inputs.q, inputs.k, inputs.v, *buffers, inputs.dout, inputs.kwargs, backward=True)
+    return _differences(base, again, ("out", "lse", "dk", "dv"))
+
+
+def _rotated_buffers(fn, inputs) -> tuple:
+    """Offsets buffers that served a call first, for backends that waive batch invariance (no checked
+    sub-batch call to borrow them from): the case's rows with the sequence lengths rotated by one."""
+
+    def buffer(offsets):
+        if offsets is None:
+            return None
+        lengths = offsets.long().diff().roll(1)
+        return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+
+    buffers = (buffer(inputs.q_offsets), buffer(inputs.kv_offsets))
+    run(fn, inputs.q, inputs.k, inputs.v, *buffers, inputs.dout, inputs.kwargs, backward=True)
+    return buffers
 
 
 def _with_inputs_check(findings: dict, inputs, before) -> dict:
