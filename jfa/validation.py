@@ -149,8 +149,18 @@ class _Confirmation:
         return self._held
 
 
+def _check_parts_rows(parts, hosts: list[np.ndarray]) -> None:
+    """`_check_rows` for each part (name, tensor, rows, rows' name) against its host values."""
+    for (name, _, rows, rows_name), host in zip(parts, hosts, strict=True):
+        _check_rows(name, host, rows, rows_name)
+
+
 def _rows_hold(parts, valid: _ValidOffsets) -> bool:
-    return all(host[-1] == rows < 2**31 for (_, _, rows, _), host in zip(parts, valid.host, strict=True))
+    try:
+        _check_parts_rows(parts, valid.host)
+    except ValueError:
+        return False
+    return True
 
 
 def _valid_offsets(parts: list[tuple[str, torch.Tensor, int, str]],
@@ -172,8 +182,7 @@ def _valid_offsets(parts: list[tuple[str, torch.Tensor, int, str]],
             return known, _Confirmation(joined, known.compared)
         if torch.equal(joined, known.compared):
             _VALID.move_to_end(key)
-            for (name, _, rows, rows_name), host in zip(parts, known.host, strict=True):
-                _check_rows(name, host, rows, rows_name)
+            _check_parts_rows(parts, known.host)
             return known, None
     host = joined.cpu().numpy().astype(np.int64)
     hosts = np.split(host, np.cumsum(sizes)[:-1])
