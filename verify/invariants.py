@@ -44,8 +44,7 @@ def sub_batch(ctx: CaseContext, order: list[int]):
         kv_parts.append(torch.arange(int(problem.kv_offsets_host[b]), int(problem.kv_offsets_host[b + 1])))
 
     def offsets(parts):
-        lengths = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
-        return torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
+        return _offsets_of(torch.tensor([p.numel() for p in parts], dtype=torch.int64))
 
     device = inputs.q.device
     out_rows, kv_rows = _cat_rows(out_parts).to(device), _cat_rows(kv_parts).to(device)
@@ -55,6 +54,11 @@ def sub_batch(ctx: CaseContext, order: list[int]):
     q_off = None if problem.broadcast_q else offsets(q_parts).to(device)
     kv_off = offsets(kv_parts).to(device)
     return (q, k, v, q_off, kv_off, dout), out_parts, kv_parts
+
+
+def _offsets_of(lengths: torch.Tensor) -> torch.Tensor:
+    """int32 offsets [B+1] of int64 sequence lengths [B] (on their device)."""
+    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
 
 
 def compare_sub_batch(ctx: CaseContext, whole: Outputs, part: Outputs, order, out_parts, kv_parts) -> list[str]:
@@ -191,13 +195,8 @@ def _rotated_buffers(fn, inputs) -> tuple:
     """Offsets buffers that served a call first, for backends that waive batch invariance (no checked
     sub-batch call to borrow them from): the case's rows with the sequence lengths rotated by one."""
 
-    def buffer(offsets):
-        if offsets is None:
-            return None
-        lengths = offsets.long().diff().roll(1)
-        return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
-
-    buffers = (buffer(inputs.q_offsets), buffer(inputs.kv_offsets))
+    buffers = tuple(None if offsets is None else _offsets_of(offsets.long().diff().roll(1))
+                    for offsets in (inputs.q_offsets, inputs.kv_offsets))
     run(fn, inputs.q, inputs.k, inputs.v, *buffers, inputs.dout, inputs.kwargs, backward=True)
     return buffers
 
