@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from jfa.block_info import kv_block_range, q_block_range
+from jfa.block_info import MASK_ALWAYS, MASK_EDGES, MASK_NEVER, block_masked, kv_block_range, q_block_range
 from jfa.mask import visible
 from jfa.softmax import backward_row_stats, raw_scores, shifted_exp2
 from jfa.triton.forward import (
@@ -56,14 +56,13 @@ from jfa.triton.forward import (
 
 
 @triton.jit
-def _probs_and_ds(q, do, k, v, m_b, inv_b, delta, offs_m, cols, q_len, kv_len, window, scale_log2,
-                  MASKED: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-                  INTERPRET: tl.constexpr):
+def _probs_and_ds(q, do, k, v, m_b, inv_b, delta, offs_m, cols, masked, q_len, kv_len, window, scale_log2,
+                  NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, INTERPRET: tl.constexpr):
     """P and dS = P∘(dP - D) [BLOCK_M, BLOCK_N] of query rows offs_m against keys `cols` (fp32, unrounded),
-    P recomputed from the forward's residuals; MASKED applies the visibility rule. Rows past q_len load
-    zero residuals (inv_b = 0), so their P and dS are 0."""
+    P recomputed from the forward's residuals; `masked` (a scalar) applies the visibility rule. Rows past
+    q_len load zero residuals (inv_b = 0), so their P and dS are 0."""
     r = raw_scores(mma(q, tl.trans(k), INTERPRET), NEG_SCALE)
-    if MASKED:
+    if masked:
         seen = visible(offs_m[:, None], cols[None, :], q_len, kv_len, window, HAS_WINDOW, CAUSAL)
         r = tl.where(seen, r, float("-inf"))
     p = shifted_exp2((r - m_b[:, None]) * scale_log2) * inv_b[:, None]
@@ -92,19 +91,21 @@ def _query_rows(Q, DOut, Out, RowMax, RowSum, q_start, out_start, m0, head, offs
 
 
 @triton.jit
-def _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, start, end, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok,
-               sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2,
-               DT: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_D: tl.constexpr,
-               MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-               CAUSAL: tl.constexpr, INTERPRET: tl.constexpr):
+def _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, start, end, full_lo, full_hi, offs_m, offs_n, offs_d,
+               offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2,
+               DT: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, MASK_D: tl.constexpr,
+               MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """Key blocks [start, end) of one query block, masked as MASK says (see `_fwd_blocks`)."""
     for n in range(start, end, BLOCK_N):
         key_ok = (n + offs_n) < kv_len
         k = load_tile(k_seq + tl.cast(n, tl.int64) * sk_t + tile_offsets(offs_n, sk_t, offs_d, sk_d),
-                      key_ok, d_ok, MASKED, MASK_D)
+                      key_ok, d_ok, MASK != MASK_NEVER, MASK_D)
         v = load_tile(v_seq + tl.cast(n, tl.int64) * sv_t + tile_offsets(offs_n, sv_t, offs_dv, sv_d),
-                      key_ok, dv_ok, MASKED, MASK_DV)
-        _, ds = _probs_and_ds(q, do, k, v, m_b, inv_b, delta, offs_m, n + offs_n, q_len, kv_len, window, scale_log2,
-                              MASKED, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+                      key_ok, dv_ok, MASK != MASK_NEVER, MASK_DV)
+        _, ds = _probs_and_ds(q, do, k, v, m_b, inv_b, delta, offs_m, n + offs_n,
+                              block_masked(n, full_lo, full_hi, MASK), q_len, kv_len, window, scale_log2, NEG_SCALE,
+                              HAS_WINDOW, CAUSAL, INTERPRET)
         dq = mma_acc(rounded(ds, DT, INTERPRET), k, dq, INTERPRET)
     return dq
 
@@ -157,15 +158,21 @@ def _dq_kernel(
         k_seq = row_base(K, kv_start, sk_t, kv_head, sk_h)
         v_seq = row_base(V, kv_start, sv_t, kv_head, sv_h)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        dq = _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, lo, full_lo, offs_m, offs_n, offs_d, offs_dv,
-                        d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, True,
-                        MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
-        dq = _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, full_lo, full_hi, offs_m, offs_n, offs_d,
-                        offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N,
-                        False, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
-        dq = _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, full_hi, hi, offs_m, offs_n, offs_d, offs_dv,
-                        d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, True,
-                        MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+        if CAUSAL or HAS_WINDOW:  # one loop, masked at both edges (jfa.block_info.MASK_EDGES says why)
+            dq = _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, lo, hi, full_lo, full_hi, offs_m, offs_n,
+                            offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2,
+                            DT, BLOCK_N, MASK_EDGES, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+        else:  # three segments: see jfa.block_info.MASK_EDGES
+            dq = _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, lo, full_lo, full_lo, full_hi, offs_m, offs_n,
+                            offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2,
+                            DT, BLOCK_N, MASK_ALWAYS, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+            dq = _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, full_lo, full_hi, full_lo, full_hi, offs_m,
+                            offs_n, offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window,
+                            scale_log2, DT, BLOCK_N, MASK_NEVER, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL,
+                            INTERPRET)
+            dq = _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, full_hi, hi, full_lo, full_hi, offs_m, offs_n,
+                            offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2,
+                            DT, BLOCK_N, MASK_ALWAYS, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
         dq = dq * sm_scale
         mask = row_ok[:, None] & d_ok[None, :]
         if DQ_PARTIAL:
@@ -183,22 +190,23 @@ def _dq_kernel(
 
 
 @triton.jit
-def _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, start, end, offs_r, offs_n,
-                offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_d, sdo_t, sdo_d, q_len, kv_len, window, scale_log2,
-                DT: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, MASK_D: tl.constexpr,
-                MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                CAUSAL: tl.constexpr, INTERPRET: tl.constexpr):
-    """Query blocks [start, end) against one key block; MASKED applies the rule and masks rows >= q_len.
-    Only scalar base pointers live across iterations (see `_fwd_blocks`)."""
+def _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, start, end, full_lo, full_hi,
+                offs_r, offs_n, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_d, sdo_t, sdo_d, q_len, kv_len, window,
+                scale_log2, DT: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, MASK_D: tl.constexpr,
+                MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """Query blocks [start, end) against one key block; masked blocks (MASK, see `_fwd_blocks`) apply the rule
+    and mask rows >= q_len. Only scalar base pointers live across iterations."""
+    ROW_MASK: tl.constexpr = MASK != MASK_NEVER
     for m in range(start, end, BLOCK_M):
         offs_m = m + offs_r
         row_ok = offs_m < q_len
         q = load_tile(q_seq + tl.cast(m, tl.int64) * sq_t + tile_offsets(offs_r, sq_t, offs_d, sq_d),
-                      row_ok, d_ok, MASKED, MASK_D)
+                      row_ok, d_ok, ROW_MASK, MASK_D)
         do = load_tile(do_seq + tl.cast(m, tl.int64) * sdo_t + tile_offsets(offs_r, sdo_t, offs_dv, sdo_d),
-                       row_ok, dv_ok, MASKED, MASK_DV)
+                       row_ok, dv_ok, ROW_MASK, MASK_DV)
         stat = stat_base + offs_m
-        if MASKED:
+        if ROW_MASK:
             m_row = tl.load(RowMax + stat, mask=row_ok, other=0.0)
             l_row = tl.load(RowSum + stat, mask=row_ok, other=0.0)
             delta = tl.load(Delta + stat, mask=row_ok, other=0.0)
@@ -208,7 +216,7 @@ def _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, s
             delta = tl.load(Delta + stat)
         m_b, inv_b = backward_row_stats(m_row, l_row)
         r = raw_scores(mma(k, tl.trans(q), INTERPRET), NEG_SCALE)  # Sᵀ: [BLOCK_N, BLOCK_M]
-        if MASKED:
+        if block_masked(m, full_lo, full_hi, MASK):
             seen = visible(offs_m[None, :], offs_n[:, None], q_len, kv_len, window, HAS_WINDOW, CAUSAL)
             r = tl.where(seen & row_ok[None, :], r, float("-inf"))
         p = shifted_exp2((r - m_b[None, :]) * scale_log2) * inv_b[None, :]
@@ -275,18 +283,24 @@ def _dkv_kernel(
             q_seq = row_base(Q, q_start, sq_t, head, sq_h)
             do_seq = row_base(DOut, out_start, sdo_t, head, sdo_h)
             stat_base = tl.cast(head, tl.int64) * stat_h + out_start
-            dk, dv = _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, lo, full_lo, offs_r,
-                                 offs_n, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_d, sdo_t, sdo_d, q_len, kv_len, window,
-                                 scale_log2, DT, BLOCK_M, True, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL,
-                                 INTERPRET)
-            dk, dv = _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, full_lo, full_hi,
-                                 offs_r, offs_n, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_d, sdo_t, sdo_d, q_len, kv_len,
-                                 window, scale_log2, DT, BLOCK_M, False, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL,
-                                 INTERPRET)
-            dk, dv = _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, full_hi, hi, offs_r,
-                                 offs_n, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_d, sdo_t, sdo_d, q_len, kv_len, window,
-                                 scale_log2, DT, BLOCK_M, True, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL,
-                                 INTERPRET)
+            if CAUSAL or HAS_WINDOW:  # one loop, masked at both edges (jfa.block_info.MASK_EDGES says why)
+                dk, dv = _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, lo, hi, full_lo,
+                                     full_hi, offs_r, offs_n, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_d, sdo_t, sdo_d,
+                                     q_len, kv_len, window, scale_log2, DT, BLOCK_M, MASK_EDGES, MASK_D, MASK_DV,
+                                     NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+            else:  # three segments: see jfa.block_info.MASK_EDGES
+                dk, dv = _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, lo, full_lo,
+                                     full_lo, full_hi, offs_r, offs_n, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_d, sdo_t,
+                                     sdo_d, q_len, kv_len, window, scale_log2, DT, BLOCK_M, MASK_ALWAYS, MASK_D,
+                                     MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+                dk, dv = _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, full_lo, full_hi,
+                                     full_lo, full_hi, offs_r, offs_n, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_d, sdo_t,
+                                     sdo_d, q_len, kv_len, window, scale_log2, DT, BLOCK_M, MASK_NEVER, MASK_D,
+                                     MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+                dk, dv = _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, full_hi, hi,
+                                     full_lo, full_hi, offs_r, offs_n, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_d, sdo_t,
+                                     sdo_d, q_len, kv_len, window, scale_log2, DT, BLOCK_M, MASK_ALWAYS, MASK_D,
+                                     MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
         dk = dk * sm_scale
         tl.store(row_base(DK, kv_start + n0, sdk_t, kv_head, sdk_h) + tile_offsets(offs_c, sdk_t, offs_d, 1),
                  stored(dk, DT, INTERPRET), mask=key_ok[:, None] & d_ok[None, :])
@@ -301,22 +315,23 @@ def _dkv_kernel(
 
 
 @triton.jit
-def _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, start, end, offs_m, offs_n, offs_d,
-                  offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, sdk_t, sdv_t, q_len, kv_len, window, scale_log2,
-                  sm_scale,
-                  DT: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_D: tl.constexpr,
-                  MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                  CAUSAL: tl.constexpr, INTERPRET: tl.constexpr):
-    """Key blocks [start, end) against every query row of the sequence: each block's dk = dSᵀ·Q and
-    dv = Pᵀ·dO are complete and stored; dq += dS·K accumulates."""
+def _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, start, end, full_lo, full_hi, offs_m,
+                  offs_n, offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, sdk_t, sdv_t, q_len, kv_len, window,
+                  scale_log2, sm_scale,
+                  DT: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, MASK_D: tl.constexpr,
+                  MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """Key blocks [start, end) against every query row of the sequence, masked as MASK says (see
+    `_fwd_blocks`): each block's dk = dSᵀ·Q and dv = Pᵀ·dO are complete and stored; dq += dS·K accumulates."""
     for n in range(start, end, BLOCK_N):
         key_ok = (n + offs_n) < kv_len
         k = load_tile(k_seq + tl.cast(n, tl.int64) * sk_t + tile_offsets(offs_n, sk_t, offs_d, sk_d),
-                      key_ok, d_ok, MASKED, MASK_D)
+                      key_ok, d_ok, MASK != MASK_NEVER, MASK_D)
         v = load_tile(v_seq + tl.cast(n, tl.int64) * sv_t + tile_offsets(offs_n, sv_t, offs_dv, sv_d),
-                      key_ok, dv_ok, MASKED, MASK_DV)
-        p, ds = _probs_and_ds(q, do, k, v, m_b, inv_b, delta, offs_m, n + offs_n, q_len, kv_len, window, scale_log2,
-                              MASKED, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+                      key_ok, dv_ok, MASK != MASK_NEVER, MASK_DV)
+        p, ds = _probs_and_ds(q, do, k, v, m_b, inv_b, delta, offs_m, n + offs_n,
+                              block_masked(n, full_lo, full_hi, MASK), q_len, kv_len, window, scale_log2, NEG_SCALE,
+                              HAS_WINDOW, CAUSAL, INTERPRET)
         ds = rounded(ds, DT, INTERPRET)
         dq = mma_acc(ds, k, dq, INTERPRET)
         dv = mma(tl.trans(rounded(p, DT, INTERPRET)), do, INTERPRET)
@@ -400,18 +415,24 @@ def _bwd_short_kernel(
         dk_seq = row_base(DK, kv_start, sdk_t, kv_head, sdk_h)
         dv_seq = row_base(DV, kv_start, sdv_t, kv_head, sdv_h)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        dq = _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, lo, full_lo, offs_m, offs_n,
-                           offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, sdk_t, sdv_t, q_len, kv_len, window,
-                           scale_log2, sm_scale, DT, BLOCK_N, True, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL,
-                           INTERPRET)
-        dq = _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, full_lo, full_hi, offs_m,
-                           offs_n, offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, sdk_t, sdv_t, q_len, kv_len,
-                           window, scale_log2, sm_scale, DT, BLOCK_N, False, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW,
-                           CAUSAL, INTERPRET)
-        dq = _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, full_hi, hi, offs_m, offs_n,
-                           offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, sdk_t, sdv_t, q_len, kv_len, window,
-                           scale_log2, sm_scale, DT, BLOCK_N, True, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL,
-                           INTERPRET)
+        if CAUSAL or HAS_WINDOW:  # one loop, masked at both edges (jfa.block_info.MASK_EDGES says why)
+            dq = _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, lo, hi, full_lo, full_hi,
+                               offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, sdk_t, sdv_t,
+                               q_len, kv_len, window, scale_log2, sm_scale, DT, BLOCK_N, MASK_EDGES, MASK_D, MASK_DV,
+                               NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+        else:  # three segments: see jfa.block_info.MASK_EDGES
+            dq = _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, lo, full_lo, full_lo,
+                               full_hi, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, sdk_t,
+                               sdv_t, q_len, kv_len, window, scale_log2, sm_scale, DT, BLOCK_N, MASK_ALWAYS, MASK_D,
+                               MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+            dq = _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, full_lo, full_hi, full_lo,
+                               full_hi, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, sdk_t,
+                               sdv_t, q_len, kv_len, window, scale_log2, sm_scale, DT, BLOCK_N, MASK_NEVER, MASK_D,
+                               MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+            dq = _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, full_hi, hi, full_lo,
+                               full_hi, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, sdk_t,
+                               sdv_t, q_len, kv_len, window, scale_log2, sm_scale, DT, BLOCK_N, MASK_ALWAYS, MASK_D,
+                               MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
         _zero_key_blocks(dk_seq, dv_seq, 0, lo, kv_len, offs_n, offs_d, offs_dv, d_ok, dv_ok, sdk_t, sdv_t, DT,
                          BLOCK_N, BLOCK_D, BLOCK_DV, INTERPRET)
         _zero_key_blocks(dk_seq, dv_seq, hi, kv_len, kv_len, offs_n, offs_d, offs_dv, d_ok, dv_ok, sdk_t, sdv_t, DT,

@@ -2,12 +2,14 @@
 ones, plus the device helpers the backward kernels share.
 
 Ordinary tile = (sequence, BLOCK_M query rows, query head). The program loads the query block once and
-walks the key blocks `jfa.block_info.kv_block_range` gives it in three segments: masked blocks at the
-left edge (window), unmasked blocks in the middle (no mask arithmetic, unmasked loads when the head dim is
-a power of two), masked blocks at the right edge (causal diagonal, window, the sequence's last partial
-block). Every block: S = Q·Kᵀ in fp32 from the input dtype, the online softmax of `jfa.softmax` over raw
-scores, P rounded to the input dtype, acc += P·V in fp32. The epilogue writes out (rounded once), lse
-(natural log) and the residuals m (raw row max) and l (row sum) the backward recomputes P from.
+walks the key blocks `jfa.block_info.kv_block_range` gives it: without causal or window in three segments,
+masked blocks at the left edge (none without a window), unmasked blocks in the middle (no mask arithmetic,
+unmasked loads when the head dim is a power of two), masked blocks at the right edge (the sequence's last
+partial block); with causal or window in one loop that masks the blocks outside the middle
+(`jfa.block_info.MASK_EDGES` says why). Every block: S = Q·Kᵀ in fp32 from the input dtype, the online
+softmax of `jfa.softmax` over raw scores, P rounded to the input dtype, acc += P·V in fp32. The epilogue
+writes out (rounded once), lse (natural log) and the residuals m (raw row max) and l (row sum) the backward
+recomputes P from.
 
 Packed tile = up to block/16 tiny sequences of equal slot size (see `jfa.tile_scheduler`); one program
 does every head of it in a pipelined loop. Every row's whole key range fits the tile, so the softmax is
@@ -34,7 +36,7 @@ import inspect
 import triton
 import triton.language as tl
 
-from jfa.block_info import kv_block_range
+from jfa.block_info import MASK_ALWAYS, MASK_EDGES, MASK_NEVER, block_masked, kv_block_range
 from jfa.mask import visible
 from jfa.softmax import block_softmax, chunked_row_sum, finalize, online_update, raw_scores
 
@@ -178,12 +180,13 @@ def sequence_bounds(q_offsets, out_offsets, kv_offsets, seq):
 
 
 @triton.jit
-def _fwd_blocks(acc, m_i, l_i, q, k_seq, v_seq, start, end, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok,
-                sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2,
-                DT: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_D: tl.constexpr,
-                MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                CAUSAL: tl.constexpr, INTERPRET: tl.constexpr):
-    """Key blocks [start, end) of one query block; MASKED applies the visibility rule and masks the loads.
+def _fwd_blocks(acc, m_i, l_i, q, k_seq, v_seq, start, end, full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, d_ok,
+                dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2,
+                DT: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, MASK_D: tl.constexpr,
+                MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """Key blocks [start, end) of one query block; MASK (`jfa.block_info.block_masked`) says which apply the
+    visibility rule. Loads are masked unless MASK is MASK_NEVER.
 
     Only scalar base pointers live across iterations; each block's pointer tile is rebuilt from them (a
     loop-carried tile of 64-bit pointers would pin two registers per element).
@@ -191,14 +194,14 @@ def _fwd_blocks(acc, m_i, l_i, q, k_seq, v_seq, start, end, offs_m, offs_n, offs
     for n in range(start, end, BLOCK_N):
         key_ok = (n + offs_n) < kv_len
         k = load_tile(k_seq + tl.cast(n, tl.int64) * sk_t + tile_offsets(offs_n, sk_t, offs_d, sk_d),
-                      key_ok, d_ok, MASKED, MASK_D)
+                      key_ok, d_ok, MASK != MASK_NEVER, MASK_D)
         r = raw_scores(mma(q, tl.trans(k), INTERPRET), NEG_SCALE)
-        if MASKED:
+        if block_masked(n, full_lo, full_hi, MASK):
             seen = visible(offs_m[:, None], (n + offs_n)[None, :], q_len, kv_len, window, HAS_WINDOW, CAUSAL)
             r = tl.where(seen, r, float("-inf"))
         p, alpha, m_i, l_i = online_update(m_i, l_i, r, scale_log2)
         v = load_tile(v_seq + tl.cast(n, tl.int64) * sv_t + tile_offsets(offs_n, sv_t, offs_dv, sv_d),
-                      key_ok, dv_ok, MASKED, MASK_DV)
+                      key_ok, dv_ok, MASK != MASK_NEVER, MASK_DV)
         acc = mma_acc(rounded(p, DT, INTERPRET), v, acc * alpha[:, None], INTERPRET)
     return acc, m_i, l_i
 
@@ -251,18 +254,24 @@ def _fwd_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        acc, m_i, l_i = _fwd_blocks(
-            acc, m_i, l_i, q, k_seq, v_seq, lo, full_lo, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok,
-            sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, True, MASK_D, MASK_DV,
-            NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
-        acc, m_i, l_i = _fwd_blocks(
-            acc, m_i, l_i, q, k_seq, v_seq, full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok,
-            sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, False, MASK_D, MASK_DV,
-            NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
-        acc, m_i, l_i = _fwd_blocks(
-            acc, m_i, l_i, q, k_seq, v_seq, full_hi, hi, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok,
-            sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, True, MASK_D, MASK_DV,
-            NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+        if CAUSAL or HAS_WINDOW:  # one loop, masked at both edges (jfa.block_info.MASK_EDGES says why)
+            acc, m_i, l_i = _fwd_blocks(
+                acc, m_i, l_i, q, k_seq, v_seq, lo, hi, full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, d_ok,
+                dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, MASK_EDGES, MASK_D,
+                MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+        else:  # three segments: see jfa.block_info.MASK_EDGES
+            acc, m_i, l_i = _fwd_blocks(
+                acc, m_i, l_i, q, k_seq, v_seq, lo, full_lo, full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, d_ok,
+                dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, MASK_ALWAYS, MASK_D,
+                MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+            acc, m_i, l_i = _fwd_blocks(
+                acc, m_i, l_i, q, k_seq, v_seq, full_lo, full_hi, full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv,
+                d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, MASK_NEVER,
+                MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+            acc, m_i, l_i = _fwd_blocks(
+                acc, m_i, l_i, q, k_seq, v_seq, full_hi, hi, full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, d_ok,
+                dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, MASK_ALWAYS, MASK_D,
+                MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
 
         out, lse = finalize(acc, m_i, l_i, scale_abs)
         o_ptrs = row_base(Out, out_start + m0, so_t, head, so_h) + tile_offsets(offs_r, so_t, offs_dv, 1)
