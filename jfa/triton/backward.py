@@ -37,6 +37,7 @@ from jfa.block_info import MASK_ALWAYS, MASK_EDGES, MASK_NEVER, block_masked, kv
 from jfa.mask import visible
 from jfa.softmax import backward_row_stats, raw_scores, shifted_exp2
 from jfa.triton.forward import (
+    head_dim_lanes,
     kernel,
     load_tile,
     mma,
@@ -44,10 +45,12 @@ from jfa.triton.forward import (
     next_tile,
     packed_layout,
     packed_visible,
+    query_tile,
     rounded,
     row_base,
     sequence_bounds,
     stored,
+    tile_entry,
     tile_offsets,
 )
 
@@ -128,10 +131,7 @@ def _dq_kernel(
     MASK_DV: tl.constexpr = HEAD_DIM_V != BLOCK_DV
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < HEAD_DIM_V
+    offs_d, offs_dv, d_ok, dv_ok = head_dim_lanes(HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_M)
 
@@ -139,14 +139,8 @@ def _dq_kernel(
     r = pid * 0
     while t < n_tiles:
         t_next = next_tile(r, pid, nprog, n_tiles, counter, SCHEDULE)
-        entry = t // n_heads
-        head = t - entry * n_heads
-        seq = tl.load(tiles + 2 * entry)
-        m0 = tl.load(tiles + 2 * entry + 1)
-        q_start, out_start, q_len, kv_start, kv_len = sequence_bounds(q_offsets, out_offsets, kv_offsets, seq)
-        kv_head = head // group
-        m1 = tl.minimum(m0 + BLOCK_M, q_len)
-        lo, full_lo, full_hi, hi = kv_block_range(m0, m1, q_len, kv_len, window, BLOCK_N, HAS_WINDOW, CAUSAL)
+        head, kv_head, m0, q_start, out_start, q_len, kv_start, kv_len, lo, full_lo, full_hi, hi = query_tile(
+            tiles, t, n_heads, group, q_offsets, out_offsets, kv_offsets, window, BLOCK_M, BLOCK_N, HAS_WINDOW, CAUSAL)
 
         offs_m = m0 + offs_r
         row_ok = offs_m < q_len
@@ -245,10 +239,7 @@ def _dkv_kernel(
     MASK_DV: tl.constexpr = HEAD_DIM_V != BLOCK_DV
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < HEAD_DIM_V
+    offs_d, offs_dv, d_ok, dv_ok = head_dim_lanes(HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
     offs_r = tl.arange(0, BLOCK_M)
     offs_c = tl.arange(0, BLOCK_N)
 
@@ -256,10 +247,7 @@ def _dkv_kernel(
     r = pid * 0
     while t < n_tiles:
         t_next = next_tile(r, pid, nprog, n_tiles, counter, SCHEDULE)
-        entry = t // n_kv_heads
-        kv_head = t - entry * n_kv_heads
-        seq = tl.load(tiles + 2 * entry)
-        n0 = tl.load(tiles + 2 * entry + 1)
+        seq, n0, kv_head = tile_entry(tiles, t, n_kv_heads)
         q_start, out_start, q_len, kv_start, kv_len = sequence_bounds(q_offsets, out_offsets, kv_offsets, seq)
         n1 = tl.minimum(n0 + BLOCK_N, kv_len)
         lo, full_lo, full_hi, hi = q_block_range(n0, n1, q_len, kv_len, window, BLOCK_M, HAS_WINDOW, CAUSAL)
@@ -386,10 +374,7 @@ def _bwd_short_kernel(
     MASK_DV: tl.constexpr = HEAD_DIM_V != BLOCK_DV
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < HEAD_DIM_V
+    offs_d, offs_dv, d_ok, dv_ok = head_dim_lanes(HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
 
@@ -473,10 +458,7 @@ def _bwd_packed_kernel(
     MASK_DV: tl.constexpr = HEAD_DIM_V != BLOCK_DV
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < HEAD_DIM_V
+    offs_d, offs_dv, d_ok, dv_ok = head_dim_lanes(HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
 
     t = pid
     r = pid * 0

@@ -165,6 +165,25 @@ def next_tile(r, pid, nprog, n_tiles, counter, SCHEDULE: tl.constexpr):
 
 
 @triton.jit
+def head_dim_lanes(HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_DV: tl.constexpr):
+    """Column indices of q/k's and v's head dims padded to BLOCK_D and BLOCK_DV, and which are real columns:
+    (offs_d, offs_dv, d_ok, dv_ok)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    return offs_d, offs_dv, offs_d < HEAD_DIM, offs_dv < HEAD_DIM_V
+
+
+@triton.jit
+def tile_entry(tiles, t, n_heads):
+    """Tile t of an ordinary tile table (`jfa.tile_scheduler`: one (sequence, first row of the block) entry
+    per n_heads consecutive tiles): (sequence, first row, head)."""
+    entry = t // n_heads
+    head = t - entry * n_heads
+    return tl.load(tiles + 2 * entry), tl.load(tiles + 2 * entry + 1), head
+
+
+@triton.jit
 def sequence_bounds(q_offsets, out_offsets, kv_offsets, seq):
     """(q_start, out_start, q_len, kv_start, kv_len) of sequence `seq` (scalars or vectors)."""
     q_start = tl.load(q_offsets + seq)
@@ -173,6 +192,19 @@ def sequence_bounds(q_offsets, out_offsets, kv_offsets, seq):
     kv_start = tl.load(kv_offsets + seq)
     kv_len = tl.load(kv_offsets + seq + 1) - kv_start
     return q_start, out_start, q_len, kv_start, kv_len
+
+
+@triton.jit
+def query_tile(tiles, t, n_heads, group, q_offsets, out_offsets, kv_offsets, window, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
+    """Ordinary query tile t (the forward's and dQ's): (head, kv_head, first row m0, q_start, out_start, q_len,
+    kv_start, kv_len, and the key blocks lo, full_lo, full_hi, hi its rows visit, `kv_block_range`)."""
+    seq, m0, head = tile_entry(tiles, t, n_heads)
+    q_start, out_start, q_len, kv_start, kv_len = sequence_bounds(q_offsets, out_offsets, kv_offsets, seq)
+    kv_head = head // group
+    m1 = tl.minimum(m0 + BLOCK_M, q_len)
+    lo, full_lo, full_hi, hi = kv_block_range(m0, m1, q_len, kv_len, window, BLOCK_N, HAS_WINDOW, CAUSAL)
+    return head, kv_head, m0, q_start, out_start, q_len, kv_start, kv_len, lo, full_lo, full_hi, hi
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -224,10 +256,7 @@ def _fwd_kernel(
     MASK_DV: tl.constexpr = HEAD_DIM_V != BLOCK_DV
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < HEAD_DIM_V
+    offs_d, offs_dv, d_ok, dv_ok = head_dim_lanes(HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_M)
 
@@ -235,14 +264,8 @@ def _fwd_kernel(
     r = pid * 0
     while t < n_tiles:
         t_next = next_tile(r, pid, nprog, n_tiles, counter, SCHEDULE)
-        entry = t // n_heads
-        head = t - entry * n_heads
-        seq = tl.load(tiles + 2 * entry)
-        m0 = tl.load(tiles + 2 * entry + 1)
-        q_start, out_start, q_len, kv_start, kv_len = sequence_bounds(q_offsets, out_offsets, kv_offsets, seq)
-        kv_head = head // group
-        m1 = tl.minimum(m0 + BLOCK_M, q_len)
-        lo, full_lo, full_hi, hi = kv_block_range(m0, m1, q_len, kv_len, window, BLOCK_N, HAS_WINDOW, CAUSAL)
+        head, kv_head, m0, q_start, out_start, q_len, kv_start, kv_len, lo, full_lo, full_hi, hi = query_tile(
+            tiles, t, n_heads, group, q_offsets, out_offsets, kv_offsets, window, BLOCK_M, BLOCK_N, HAS_WINDOW, CAUSAL)
 
         offs_m = m0 + offs_r
         row_ok = offs_m < q_len
@@ -339,10 +362,7 @@ def _fwd_packed_kernel(
     MASK_DV: tl.constexpr = HEAD_DIM_V != BLOCK_DV
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < HEAD_DIM_V
+    offs_d, offs_dv, d_ok, dv_ok = head_dim_lanes(HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
 
     t = pid
     r = pid * 0
