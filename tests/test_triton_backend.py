@@ -532,7 +532,7 @@ def test_in_subprocess():
 
 def test_compile_check_head_dims_option():
     """`gpu_selftest --compile-only --head-dims` compiles only the classes named, as (D, Dv) pairs."""
-    from jfa.triton.gpu_selftest import parse_head_dims
+    from jfa.triton.compiled import parse_head_dims
 
     assert parse_head_dims([]) is None
     assert parse_head_dims(["256", "192/128"]) == [(256, 256), (192, 128)]

@@ -26,6 +26,7 @@ import sys
 import time
 
 from jfa.selftest_workers import run_workers
+from jfa.triton import compiled
 
 MAX_BOUND_RATIO = 2.0  # the CPU tests' threshold (tests/test_triton_backend.py says why)
 NAMES = ("out", "lse", "dq", "dk", "dv")
@@ -374,35 +375,20 @@ def _check_invariance(spec, q, k, v, dout, kw, batch, device):
 # Compile-only check (no GPU)
 
 
-def parse_head_dims(specs: list[str]) -> list[tuple[int, int]] | None:
-    """'D' or 'D/DV' per spec as (D, Dv) pairs; None for no specs (every class)."""
-    pairs = []
-    for spec in specs:
-        parts = spec.split("/")
-        if len(parts) > 2 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"--head-dims takes D or D/DV, got {spec!r}")
-        pairs.append((int(parts[0]), int(parts[-1])))
-    return pairs or None
-
-
 def compile_check(quick: bool = False, arch: int = 90, head_dims: list[tuple[int, int]] | None = None) -> bool:
-    """Compiles every kernel variant for sm_<arch> with this triton; prints ptxas registers and spills.
-    head_dims: only these (D, Dv) pairs (e.g. the config class just retuned), both masks."""
+    """Compiles every kernel variant (`jfa.triton.compiled.variants`) for sm_<arch> with this triton; prints
+    ptxas registers and spills. head_dims: only these (D, Dv) pairs (e.g. the config class just retuned)."""
     import re
     import tempfile
 
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from jfa.triton import backend
-    from jfa.triton import backward as B
-    from jfa.triton import forward as F
+    from jfa.triton.compiled import compile_variant, variants
 
     if backend.interpreting():
         print("unset TRITON_INTERPRET to compile the kernels")
         return False
-    target = GPUTarget("cuda", arch, 32)
     try:  # the ptxas triton itself uses for this arch (newer tritons ship two)
         from triton.backends.nvidia.compiler import get_ptxas
 
@@ -410,32 +396,15 @@ def compile_check(quick: bool = False, arch: int = 90, head_dims: list[tuple[int
     except (ImportError, TypeError, AttributeError):
         ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     tmp = tempfile.mkdtemp()
-
-    def compile_one(fn, dtypes, constexprs, warps, stages, label):
-        sig, attrs = {}, {}
-        constexprs = dict(constexprs)
-        for i, name in enumerate(fn.arg_names):
-            if name in constexprs:
-                sig[name] = "constexpr"
-            elif name.startswith("s") and name.endswith("_d"):  # unit head-dim stride, as specialised
-                sig[name] = "constexpr"
-                constexprs[name] = 1
-            elif name in dtypes:
-                sig[name] = "*" + dtypes[name]
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            elif name in ("scale_log2", "scale_abs", "sm_scale"):
-                sig[name] = "fp32"
-            else:
-                sig[name] = "i32"
-                if name.startswith("s") and name[-2:] in ("_t", "_h"):
-                    attrs[(i,)] = [["tt.divisibility", 16]]
+    ok = True
+    for variant in variants(quick, head_dims):
         start = time.perf_counter()
         try:
-            k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=target,
-                               options=dict(num_warps=warps, num_stages=stages))
+            k = compile_variant(variant, arch)
         except Exception as error:  # noqa: BLE001 - report every failure
-            print(f"FAIL {label}: {type(error).__name__}: {str(error)[:1500]}")
-            return False
+            print(f"FAIL {variant.label}: {type(error).__name__}: {str(error)[:1500]}")
+            ok = False
+            continue
         ptx_path = os.path.join(tmp, "k.ptx")
         with open(ptx_path, "w") as f:
             f.write(k.asm["ptx"])
@@ -445,54 +414,8 @@ def compile_check(quick: bool = False, arch: int = 90, head_dims: list[tuple[int
         if not regs:
             print("     ptxas:", info.strip()[:300])
         spill = re.findall(r"(\d+) bytes spill stores", info)
-        print(f"ok   {label:60s} regs {regs[0] if regs else '?':>3s} spill {spill[0] if spill else '?':>5s} "
+        print(f"ok   {variant.label:60s} regs {regs[0] if regs else '?':>3s} spill {spill[0] if spill else '?':>5s} "
               f"smem {k.metadata.shared:>6d}  ({time.perf_counter() - start:.1f}s)")
-        return True
-
-    ok = True
-    dims = head_dims or ([(128, 128)] if quick else [(128, 128), (64, 64), (80, 80), (96, 96), (192, 192),
-                                                      (256, 256), (128, 64), (8, 24)])
-    masks = [(True, True)] if quick else [(False, False), (True, True)]
-    for d, dv in dims:
-        block_d, block_dv = backend.padded_dim(d), backend.padded_dim(dv)
-        cfg = backend.gpu_config(max(block_d, block_dv))
-        for dt in (("bf16",) if quick or (d, dv) != (128, 128) else ("bf16", "fp16")):
-            for causal, window in masks:
-                common = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, NEG_SCALE=False,
-                              HAS_WINDOW=window, CAUSAL=causal, SCHEDULE=1, INTERPRET=False)
-                tag = f"D{d}/{dv} {dt} causal={int(causal)} window={int(window)}"
-                ptr = {n: dt for n in ("Q", "K", "V", "Out", "DOut", "DK", "DV")}
-                ptr.update({n: "fp32" for n in ("Lse", "RowMax", "RowSum", "Delta")})
-                ptr.update({n: "i32" for n in ("tiles", "counter", "q_offsets", "out_offsets", "kv_offsets",
-                                               "pack_seqs", "pack_shift")})
-                for st in cfg.fwd.stages:
-                    ok &= compile_one(F._fwd_kernel, ptr, dict(common, BLOCK_M=cfg.fwd.block_m,
-                                      BLOCK_N=cfg.fwd.block_n), cfg.fwd.num_warps, st, f"fwd s{st} {tag}")
-                pk = cfg.packed_fwd
-                for st in pk.stages:
-                    ok &= compile_one(F._fwd_packed_kernel, ptr, dict(common, BLOCK=pk.block_m, SLOTS=pk.block_m // 16),
-                                      pk.num_warps, st, f"fwd_packed s{st} {tag}")
-                for partial in (False, True):
-                    p2 = dict(ptr, DQ="fp32" if partial else dt)
-                    for st in cfg.dq.stages:
-                        ok &= compile_one(B._dq_kernel, p2, dict(common, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n,
-                                          DQ_PARTIAL=partial), cfg.dq.num_warps, st,
-                                          f"dq partial={int(partial)} s{st} {tag}")
-                    sb = cfg.short_bwd
-                    for st in sb.stages if sb else ():
-                        ok &= compile_one(B._bwd_short_kernel, p2, dict(common, BLOCK_M=sb.block_m,
-                                          BLOCK_N=sb.block_n, DQ_PARTIAL=partial), sb.num_warps, st,
-                                          f"bwd_short partial={int(partial)} s{st} {tag}")
-                    pb = cfg.packed_bwd
-                    for st in pb.stages:
-                        ok &= compile_one(B._bwd_packed_kernel, p2, dict(common, BLOCK=pb.block_m,
-                                          SLOTS=pb.block_m // 16, DQ_PARTIAL=partial), pb.num_warps, st,
-                                          f"bwd_packed partial={int(partial)} s{st} {tag}")
-                for st in cfg.dkv.stages:
-                    ok &= compile_one(B._dkv_kernel, ptr, dict(common, BLOCK_M=cfg.dkv.block_m,
-                                      BLOCK_N=cfg.dkv.block_n), cfg.dkv.num_warps, st, f"dkv s{st} {tag}")
-            ok &= compile_one(B._dq_reduce_kernel, {"Part": "fp32", "DQ": dt},
-                              dict(BLOCK=512, UNROLL=8, INTERPRET=False), 4, 2, f"dq_reduce {dt}")
     print("COMPILE PASS" if ok else "COMPILE FAIL")
     return ok
 
@@ -554,7 +477,7 @@ def main(argv=None) -> int:
 
     if args.compile_only:
         try:
-            dims = parse_head_dims(args.head_dims or [])
+            dims = compiled.parse_head_dims(args.head_dims or [])
         except ValueError as error:
             parser.error(str(error))
         return 0 if compile_check(args.quick, head_dims=dims) else 1

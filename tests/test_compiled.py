@@ -1,0 +1,122 @@
+"""jfa.triton.compiled: the kernel variants, TTGIR normalisation, the comparison, and two trees compiled for
+sm_90 on this CPU (a kernel edited in one of them is found; the unedited copy is the same)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import pytest
+
+from jfa.triton import compiled
+
+REPO = Path(__file__).resolve().parents[1]
+
+TTGIR = """#loc = loc("/src/forward.py":10:0)
+module {
+  tt.func public @k(%arg0: !tt.ptr<f32> loc("/src/forward.py":10:0)) {
+    %c1_i32 = arith.constant 1 : i32 loc(#loc1)
+    %cst = arith.constant dense<0.0> : tensor<64xf32> loc(#loc2)
+    %0 = tt.load %arg0 : !tt.ptr<f32> loc(#loc3)
+    %x_12 = arith.addi %c1_i32, %c1_i32 : i32 loc(callsite(#loc4 at #loc5))
+    tt.return loc(#loc6)
+  } loc(#loc)
+} loc(#loc)
+#loc1 = loc("/src/forward.py":11:4)
+"""
+
+
+def test_normalized_ttgir_ignores_locations_names_and_constant_order():
+    one = "    %c1_i32 = arith.constant 1 : i32 loc(#loc1)\n"
+    zeros = "    %cst = arith.constant dense<0.0> : tensor<64xf32> loc(#loc2)\n"
+    reordered = TTGIR.replace(one + zeros, zeros.replace("%cst", "%cst_0") + one.replace("%c1_i32", "%c1"))
+    assert reordered != TTGIR
+    normal = compiled.normalized_ttgir(TTGIR)
+    assert compiled.normalized_ttgir(reordered) == normal
+    assert "loc" not in normal and "%c1_i32" not in normal and "%v = arith.addi %v, %v : i32" in normal
+    edited = compiled.normalized_ttgir(TTGIR.replace("arith.addi", "arith.subi"))
+    assert edited != normal
+    assert "arith.addi" in compiled.first_difference(normal, edited)
+
+
+def test_normalized_ttgir_names_attribute_aliases_by_their_definitions():
+    """The compiler numbers #blocked, #blocked1, ... by first use: a renumbering is the same program."""
+    layouts = ("#blocked = #ttg.blocked<{sizePerThread = [1, 8]}>\n"
+               "#blocked1 = #ttg.blocked<{sizePerThread = [1, 4]}>\n"
+               "  %0 = tt.load %a : tensor<64x!tt.ptr<f32>, #blocked1> loc(#loc1)\n"
+               "  %1 = tt.load %b : tensor<64x!tt.ptr<f32>, #blocked> loc(#loc2)\n")
+    swapped = layouts.replace("#blocked1", "#TMP").replace("#blocked", "#blocked1").replace("#TMP", "#blocked")
+    assert compiled.normalized_ttgir(swapped) == compiled.normalized_ttgir(layouts)
+    other = layouts.replace("%b : tensor<64x!tt.ptr<f32>, #blocked>", "%b : tensor<64x!tt.ptr<f32>, #blocked1>")
+    assert compiled.normalized_ttgir(other) != compiled.normalized_ttgir(layouts)
+
+
+def test_normalized_ttgir_keeps_the_order_of_other_operations():
+    load = "    %0 = tt.load %arg0 : !tt.ptr<f32> loc(#loc3)\n"
+    add = "    %x_12 = arith.addi %c1_i32, %c1_i32 : i32 loc(callsite(#loc4 at #loc5))\n"
+    swapped = TTGIR.replace(load + add, add + load)
+    assert compiled.normalized_ttgir(swapped) != compiled.normalized_ttgir(TTGIR)
+
+
+def test_compare_names_every_kind_of_difference():
+    base = {"a": {"ttgir": "x\ny\n"}, "b": {"ttgir": "x\n"}, "c": {"error": "CompilationError: boom"},
+            "gone": {"ttgir": "x\n"}}
+    mine = {"a": {"ttgir": "x\ny\n"}, "b": {"ttgir": "z\n"}, "c": {"ttgir": "x\n"}, "new": {"ttgir": "x\n"}}
+    lines, same = compiled.compare(base, mine)
+    assert not same
+    assert lines == ["same    a", "DIFFERS b: line 1: 'x' against 'z'", "ERROR c: base CompilationError: boom; here ok",
+                     "ONLY here: new", "ONLY in base: gone"]
+    assert compiled.compare(base | {"b": mine["b"]}, base | {"b": mine["b"]}) == (
+        ["same    a", "same    b", "ERROR c: base CompilationError: boom; here CompilationError: boom",
+         "same    gone"], False)
+    assert compiled.compare({"a": {"ttgir": "x"}}, {"a": {"ttgir": "x"}}) == (["same    a"], True)
+
+
+def test_variants_cover_every_kernel_once_per_configuration():
+    from jfa.triton import backward, forward
+
+    every = compiled.variants()
+    labels = [v.label for v in every]
+    assert len(labels) == len(set(labels))
+    kernels = {name for module in (forward, backward) for name in dir(module)
+               if name.startswith("_") and name.endswith("_kernel")}
+    assert {v.kernel for v in every} == kernels
+    quick = compiled.variants(quick=True)
+    assert {v.kernel for v in quick} == kernels
+    assert all("D128/128 bf16 causal=1 window=1" in v.label for v in quick if v.kernel != "_dq_reduce_kernel")
+    assert {v.label.split(" D")[1] for v in compiled.variants(head_dims=[(96, 96)]) if " D" in v.label} == {
+        "96/96 bf16 causal=0 window=0", "96/96 bf16 causal=1 window=1"}
+
+
+def _tree(tmp_path: Path, name: str) -> Path:
+    tree = tmp_path / name
+    shutil.copytree(REPO / "jfa", tree / "jfa", ignore=shutil.ignore_patterns("__pycache__"))
+    return tree
+
+
+def test_two_trees_compiled_for_sm90_same_and_edited(tmp_path):
+    """The quick variants of the package and of a copy are the same; an edited copy (the online softmax's
+    rescale factor) differs exactly in the kernels that inline it."""
+    pytest.importorskip("triton.backends.nvidia")
+    args = argparse.Namespace(quick=True, head_dims=None, jobs=2)
+    mine = compiled._dump_tree(REPO, _outdir(tmp_path, "mine"), args)
+    same_tree = _tree(tmp_path, "copy")
+    lines, same = compiled.compare(compiled._dump_tree(same_tree, _outdir(tmp_path, "copy_out"), args), mine)
+    assert same, "\n".join(lines)
+
+    edited = _tree(tmp_path, "edited")
+    softmax = edited / "jfa" / "softmax.py"
+    text = softmax.read_text()
+    assert text.count("alpha = tl.exp2(") == 1
+    softmax.write_text(text.replace("alpha = tl.exp2(", "alpha = 0.5 * tl.exp2("))
+    lines, same = compiled.compare(compiled._dump_tree(edited, _outdir(tmp_path, "edited_out"), args), mine)
+    assert not same
+    differing = {line.split(" s")[0] for line in lines if line.startswith("DIFFERS")}
+    assert differing == {"DIFFERS fwd"}, "\n".join(lines)
+
+
+def _outdir(tmp_path: Path, name: str) -> Path:
+    out = tmp_path / name
+    out.mkdir()
+    return out
