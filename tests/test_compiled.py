@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,24 @@ def _outdir(tmp_path: Path, name: str) -> Path:
     out = tmp_path / name
     out.mkdir()
     return out
+
+
+def test_against_a_revision_exits_by_the_verdict(tmp_path, monkeypatch, capsys):
+    """`--against REV` on a repository of its own: 0 on the committed tree, 1 once a kernel is edited."""
+    pytest.importorskip("triton.backends.nvidia")
+    repo = _tree(tmp_path, "repo")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    for command in (["init", "-q"], ["add", "jfa"], ["commit", "-q", "-m", "base"]):
+        subprocess.run(git + command, check=True)
+    monkeypatch.setattr(compiled, "REPO", repo)
+    assert compiled.main(["--against", "HEAD", "--quick", "--jobs", "2"]) == 0
+    assert capsys.readouterr().out.endswith("17 variants: all the same TTGIR as HEAD\n")
+    packed = repo / "jfa" / "triton" / "forward.py"
+    text = packed.read_text()
+    assert text.count("l = chunked_row_sum(p, BLOCK, BLOCK, 16)") == 1
+    packed.write_text(text.replace("l = chunked_row_sum(", "l = 2.0 * chunked_row_sum("))
+    assert compiled.main(["--against", "HEAD", "--quick", "--jobs", "2"]) == 1
+    out = capsys.readouterr().out
+    assert {line.split(" s")[0] for line in out.splitlines() if line.startswith("DIFFERS")} == {"DIFFERS fwd_packed"}
+    packed_variants = sum(v.kernel == "_fwd_packed_kernel" for v in compiled.variants(quick=True))
+    assert out.endswith(f"17 variants: {packed_variants} not the same as HEAD\n")
