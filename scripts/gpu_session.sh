@@ -2,7 +2,7 @@
 # The GPU work of a session on the lent H200 machine(s), in stages, each writing under $OUT:
 #   bash scripts/gpu_session.sh STAGE [STAGE ...]
 # Stages: env, triton-selftest, tlx-selftest, premerge:GPUS:BACKENDS:TAG, bench, tune:ROLES,
-# sanitizer:TOOL:BACKEND[:i/n], repeat. A group STAGE+STAGE+... runs its stages at once, the i-th on GPU
+# sanitizer:TOOL:BACKEND[:i/n], repeat, ab:BASE. A group STAGE+STAGE+... runs its stages at once, the i-th on GPU
 # i mod (the GPUs present), e.g. the shards of a sanitizer run spread over a multi-GPU machine.
 # The machine has no package registry: run from the carried tree (PYTHONPATH) and carry
 # fbtriton in .carry for the tlx stages (../shared/device/README.md); a stage naming the tlx backend, and
@@ -87,6 +87,21 @@ stage_sanitizer() {
   tail -n 40 /tmp/jfa/$name.log | tee "$OUT/$name.txt"
 }
 
+# ab BASE: the Triton kernels of BASE (a folder of the carried tree holding another revision's jfa/, e.g. made
+# with `git archive REV jfa | tar -x -C scratch/base`: the machine's git metadata may lack REV) against this
+# tree's, alternating AB_ROUNDS times on AB_ROWS (scripts/ab_probe.py says what is timed), then the summary.
+stage_ab() {
+  local base=$1 round
+  : > "$OUT/ab.jsonl"
+  for round in $(seq 1 "${AB_ROUNDS:-2}"); do
+    PYTHONPATH=$PWD/$base:$PWD timeout ${AB_TIMEOUT:-250} python3 scripts/ab_probe.py measure "base:$round" \
+      "$OUT/ab.jsonl" ${AB_ROWS:-gem long skew broadcast gem:causal gem:w256 long:causal}
+    timeout ${AB_TIMEOUT:-250} python3 scripts/ab_probe.py measure "mine:$round" \
+      "$OUT/ab.jsonl" ${AB_ROWS:-gem long skew broadcast gem:causal gem:w256 long:causal}
+  done
+  python3 scripts/ab_probe.py summary "$OUT/ab.jsonl" | tee "$OUT/ab.txt"
+}
+
 stage_repeat() { timeout 240 python3 -m verify.repeat --backend triton --runs 200 --deterministic 2>&1 | tee "$OUT/repeat.txt"; }
 
 run_stage() {
@@ -95,6 +110,7 @@ run_stage() {
     premerge:*) IFS=: read -r _ gpus backends tag <<< "$1"; stage_premerge "$gpus" "${backends//,/ }" "$tag" ;;
     sanitizer:*) IFS=: read -r _ tool backend shard <<< "$1"; stage_sanitizer "$tool" "$backend" "$shard" ;;
     tune:*) stage_tune "${1#tune:}" ;;
+    ab:*) stage_ab "${1#ab:}" ;;
     *) "stage_${1//-/_}" ;;
   esac
 }

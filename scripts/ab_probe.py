@@ -1,0 +1,106 @@
+"""A/B of the Triton kernels of two trees on one GPU (the `ab` stage of scripts/gpu_session.sh).
+
+    PYTHONPATH=TREE python scripts/ab_probe.py measure TAG OUT.jsonl ROW [ROW ...]
+    python scripts/ab_probe.py summary OUT.jsonl
+
+`measure` runs the `triton` op of the tree first on PYTHONPATH on jfa.bench's rows (bf16, D 128, seed 0),
+forward and forward+backward, as `python -m jfa.triton.tune` times the shipped op: do_bench ms of the op
+and the profiler's device ms of each jfa kernel over five calls; then a SHA-1 of every output and gradient.
+One JSON line per (row, pass), tagged `SIDE:ROUND` (e.g. base:1, mine:1). ROW is a bench row with options
+after colons: `causal`, `wN` (window N), `grid`/`static`/`dynamic` (the tile schedule), e.g. gem:causal,
+gem:w256, tiny:grid.
+
+`summary` prints per row and pass the jfa kernels' device ms of each side (mean over rounds), their ratio
+(mine / base; below 1 is faster) and whether the two sides' outputs and gradients are bitwise the same.
+
+The stage alternates the sides round by round on one machine (run-to-run spread on the H200 is several
+percent between machines and up to ±8% between runs): the figures of README's "Causal and window" section
+came from this script (2026-11-30, two rounds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections import defaultdict
+
+PASSES = (("fwd", "fwd"), ("fwd+bwd", "dq"))  # (pass, the jfa.triton.tune role whose call runs it)
+
+
+def row_options(spec: str) -> dict:
+    """'gem:causal:w256:grid' -> {'row': 'gem', 'causal': True, 'window': 256, 'schedule': 'grid'}."""
+    row, *opts = spec.split(":")
+    parsed = dict(row=row, causal=False, window=None, schedule=None)
+    for opt in opts:
+        if opt == "causal":
+            parsed["causal"] = True
+        elif opt in ("grid", "static", "dynamic"):
+            parsed["schedule"] = opt
+        elif opt.startswith("w") and opt[1:].isdigit():
+            parsed["window"] = int(opt[1:])
+        else:
+            raise ValueError(f"row option {opt!r} of {spec!r}: causal, wN or grid/static/dynamic")
+    return parsed
+
+
+def measure(tag: str, out: str, specs: list[str]) -> None:
+    import torch
+
+    from jfa.bench import row_inputs
+    from jfa.triton import tune
+    from jfa.triton.backend import set_schedule
+
+    for spec in specs:
+        opts = row_options(spec)
+        set_schedule(opts["schedule"])
+        inputs, kwargs, _ = row_inputs(opts["row"], torch.bfloat16, 128, 0, torch.device("cuda"),
+                                       causal=opts["causal"], window=opts["window"])
+        calls = tune._calls(inputs, kwargs)
+        digest = hashlib.sha1()
+        for t in (*calls["fwd"](), *calls["dq"]()):
+            digest.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        with open(out, "a") as f:
+            for name, role in PASSES:
+                record = dict(tune._time_op(spec, name, calls[role], 5), tag=tag, bits=digest.hexdigest())
+                print(f"{tag:8s} {spec:16s} {name:8s} op {record['op_ms']:8.3f} kernels {record['kernels_ms']:8.3f}",
+                      flush=True)
+                f.write(json.dumps(record) + "\n")
+        set_schedule(None)
+        del inputs, calls
+        torch.cuda.empty_cache()
+
+
+def summary(records: list[dict]) -> list[str]:
+    """Table lines: per (row, pass), each side's mean kernel ms over its rounds, mine/base and the bits."""
+    ms, bits = defaultdict(list), defaultdict(set)
+    for r in records:
+        side = r["tag"].split(":")[0]
+        ms[r["row"], r["op"], side].append(r["kernels_ms"])
+        bits[r["row"], r["op"]].add(r["bits"])
+    lines = [f"{'row':16s} {'pass':8s} {'base ms':>9s} {'mine ms':>9s} {'mine/base':>9s}  bits"]
+    for row, op in dict.fromkeys((r["row"], r["op"]) for r in records):
+        base, mine = ms.get((row, op, "base")), ms.get((row, op, "mine"))
+        if not base or not mine:
+            lines.append(f"{row:16s} {op:8s} {'(one side only)':>29s}")
+            continue
+        b, m = sum(base) / len(base), sum(mine) / len(mine)
+        same = "same" if len(bits[row, op]) == 1 else "DIFFER"
+        lines.append(f"{row:16s} {op:8s} {b:9.3f} {m:9.3f} {m / b:9.3f}  {same}")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 4 and argv[0] == "measure":
+        measure(argv[1], argv[2], argv[3:])
+        return 0
+    if len(argv) == 2 and argv[0] == "summary":
+        with open(argv[1]) as f:
+            print("\n".join(summary([json.loads(line) for line in f if line.strip()])))
+        return 0
+    print(__doc__)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
