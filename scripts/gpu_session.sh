@@ -91,13 +91,12 @@ stage_sanitizer() {
 # with `git archive REV jfa | tar -x -C scratch/base`: the machine's git metadata may lack REV) against this
 # tree's, alternating AB_ROUNDS times on AB_ROWS (scripts/ab_probe.py says what is timed), then the summary.
 stage_ab() {
-  local base=$1 round
+  local base=$1 round rows=${AB_ROWS:-gem long skew broadcast gem:causal gem:w256 long:causal}
   : > "$OUT/ab.jsonl"
   for round in $(seq 1 "${AB_ROUNDS:-2}"); do
     PYTHONPATH=$PWD/$base:$PWD timeout ${AB_TIMEOUT:-250} python3 scripts/ab_probe.py measure "base:$round" \
-      "$OUT/ab.jsonl" ${AB_ROWS:-gem long skew broadcast gem:causal gem:w256 long:causal}
-    timeout ${AB_TIMEOUT:-250} python3 scripts/ab_probe.py measure "mine:$round" \
-      "$OUT/ab.jsonl" ${AB_ROWS:-gem long skew broadcast gem:causal gem:w256 long:causal}
+      "$OUT/ab.jsonl" $rows
+    timeout ${AB_TIMEOUT:-250} python3 scripts/ab_probe.py measure "mine:$round" "$OUT/ab.jsonl" $rows
   done
   python3 scripts/ab_probe.py summary "$OUT/ab.jsonl" | tee "$OUT/ab.txt"
 }
