@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU work of a session on the lent H200 machine(s), in stages, each writing under $OUT:
 #   bash scripts/gpu_session.sh STAGE [STAGE ...]
-# Stages: env, triton-selftest, tlx-selftest, premerge:GPUS:BACKENDS:TAG, bench, tune:ROLES,
+# Stages: env, triton-selftest, tlx-selftest, premerge:GPUS:BACKENDS:TAG[:CPUS], bench, tune:ROLES,
 # sanitizer:TOOL:BACKEND[:i/n], repeat, ab:BASE. A group STAGE+STAGE+... runs its stages at once, the i-th on GPU
 # i mod (the GPUs present), e.g. the shards of a sanitizer run spread over a multi-GPU machine.
 # The machine has no package registry: run from the carried tree (PYTHONPATH) and carry
@@ -33,17 +33,20 @@ stage_triton_selftest() { timeout 240 python3 -m jfa.triton.gpu_selftest --jobs 
 
 stage_tlx_selftest() { with_fbtriton timeout 300 python3 -m jfa.tlx.gpu_selftest 2>&1 | tee "$OUT/tlx_selftest.txt"; }
 
-# premerge GPUS "BACKENDS" TAG: the premerge profile on the first GPUS GPUs, 4 workers each; wall time recorded.
-# RESUME=1 continues the stage's run of the same TAG that a time limit stopped (pytest's --jfa-resume).
+# premerge GPUS "BACKENDS" TAG [CPUS]: the premerge profile on the first GPUS GPUs, 4 workers each; wall time
+# recorded. CPUS (a taskset list, e.g. 0-15) confines the run to those cores: one GPU's share of a host with
+# several, so that a 1-GPU run there has what a 1-GPU machine has (nvidia-h200: 16 cores). RESUME=1 continues
+# the stage's run of the same TAG that a time limit stopped (pytest's --jfa-resume).
 stage_premerge() {
-  local gpus=$1 backends=$2 tag=$3 devices args=()
+  local gpus=$1 backends=$2 tag=$3 cpus=${4:-} devices args=() confine=()
   devices=$(seq -s, 0 $((gpus - 1)))
   for b in $backends; do args+=(--jfa-backend "$b"); done
   if [ -n "${RESUME:-}" ]; then args+=(--jfa-resume); else : > /tmp/jfa/$tag.log; fi
+  [ -n "$cpus" ] && confine=(taskset -c "$cpus")
   local start=$SECONDS
-  CUDA_VISIBLE_DEVICES=$devices for_backends "$backends" timeout ${PREMERGE_TIMEOUT:-300} python3 -m pytest -n auto -q -p no:cacheprovider \
+  CUDA_VISIBLE_DEVICES=$devices for_backends "$backends" "${confine[@]}" timeout ${PREMERGE_TIMEOUT:-300} python3 -m pytest -n auto -q -p no:cacheprovider \
     verify/ --jfa-profile premerge --jfa-workers-per-gpu ${WPG:-4} "${args[@]}" --jfa-results /tmp/jfa/$tag.jsonl >> /tmp/jfa/$tag.log 2>&1
-  echo "premerge $tag on $gpus GPU(s), backends $backends: exit $?, wall $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
+  echo "premerge $tag on $gpus GPU(s)${cpus:+, cores $cpus}, backends $backends: exit $?, wall $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
   tail -n 60 /tmp/jfa/$tag.log
   # A run stopped by its time limit has not merged its worker files: keep those.
   local records
@@ -106,7 +109,7 @@ stage_repeat() { timeout 240 python3 -m verify.repeat --backend triton --runs 20
 run_stage() {
   echo "=== $1 ($(date -u +%H:%M:%S))"
   case $1 in
-    premerge:*) IFS=: read -r _ gpus backends tag <<< "$1"; stage_premerge "$gpus" "${backends//,/ }" "$tag" ;;
+    premerge:*) IFS=: read -r _ gpus backends tag cpus <<< "$1"; stage_premerge "$gpus" "${backends//,/ }" "$tag" "$cpus" ;;
     sanitizer:*) IFS=: read -r _ tool backend shard <<< "$1"; stage_sanitizer "$tool" "$backend" "$shard" ;;
     tune:*) stage_tune "${1#tune:}" ;;
     ab:*) stage_ab "${1#ab:}" ;;

@@ -1,5 +1,9 @@
 """GPU pinning of xdist workers and CI sharding, with simulated device lists."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from verify import devices
@@ -32,6 +36,16 @@ def test_auto_workers():
     assert devices.auto_workers(1, 4, 16) == 4
     assert devices.auto_workers(8, 4, 16) == 16  # at most one per CPU
     assert devices.auto_workers(2, 3, 64) == 6
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_usable_cpus_follow_the_affinity_not_the_host():
+    """A process confined to one CPU (taskset, a cpuset) sizes its share from that one, not from the host."""
+    confined = "import os; from verify import devices; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); " \
+               "print(devices.usable_cpus(), os.cpu_count())"
+    usable, host = map(int, subprocess.check_output([sys.executable, "-c", confined], text=True).split())
+    assert usable == 1 and host == os.cpu_count()
+    assert devices.usable_cpus() == len(os.sched_getaffinity(0))
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 7])

@@ -68,7 +68,7 @@ def _gpus() -> list[str]:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
-    return devices.auto_workers(len(_gpus()), config.getoption("jfa_workers_per_gpu"), os.cpu_count() or 1)
+    return devices.auto_workers(len(_gpus()), config.getoption("jfa_workers_per_gpu"), devices.usable_cpus())
 
 
 @pytest.hookimpl(optionalhook=True)

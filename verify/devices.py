@@ -1,5 +1,5 @@
-"""Which GPU each xdist worker uses, and which cases each CI shard runs: pure functions, unit-tested
-with simulated device lists."""
+"""Which GPU (and how many CPUs) each xdist worker uses, and which cases each CI shard runs: pure functions,
+unit-tested with simulated device lists, beside the driver queries they are given."""
 
 from __future__ import annotations
 
@@ -69,6 +69,12 @@ def assign_gpu(worker_id: str, devices: list[str]) -> str | None:
     if not devices:
         return None
     return devices[worker_index(worker_id) % len(devices)]
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (taskset, a container's cpuset), not os.cpu_count(),
+    which counts the whole host; a worker's thread share and `-n auto` are sized from it."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def auto_workers(n_gpus: int, workers_per_gpu: int, n_cpus: int) -> int:

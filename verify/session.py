@@ -32,7 +32,7 @@ def pytest_configure(config):
     # Each worker's CPU work (reference, model, interpreter) gets its share of the cores: torch's default of
     # one thread per core in every worker oversubscribes them (smoke: 131 s against 11.5 s).
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    torch.set_num_threads(max(1, devices.usable_cpus() // workers))
     global _SESSION
     config.jfa_session = _SESSION = Session(config)
 
