@@ -39,7 +39,8 @@ stage_tlx_selftest() { with_fbtriton timeout 300 python3 -m jfa.tlx.gpu_selftest
 # the stage's run of the same TAG that a time limit stopped (pytest's --jfa-resume).
 stage_premerge() {
   local gpus=$1 backends=$2 tag=$3 cpus=${4:-} devices args=() confine=()
-  devices=$(seq -s, 0 $((gpus - 1)))
+  # the first GPUS of those visible (a group stage is given its own)
+  devices=$(tr , '\n' <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 15)}" | head -n "$gpus" | paste -sd,)
   for b in $backends; do args+=(--jfa-backend "$b"); done
   if [ -n "${RESUME:-}" ]; then args+=(--jfa-resume); else : > /tmp/jfa/$tag.log; fi
   [ -n "$cpus" ] && confine=(taskset -c "$cpus")

@@ -367,12 +367,10 @@ def suite_command(results_path: Path, *, profile: str | None = None, backends=()
 
 
 def suite_env(repo: Path) -> dict:
-    """The repository under test first on the path (not the one this command was imported from), and one
-    intra-op thread per process unless the caller set OMP_NUM_THREADS: xdist already runs a worker per core,
-    and torch's default of a thread per core in every worker made the CPU smoke profile 11x slower (131 s
-    against 11.5 s on 2 cores)."""
+    """The repository under test first on the path (not the one this command was imported from). Each
+    process of the suite sizes its own thread share (verify/session.py)."""
     path = os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)
-    return {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": path}
+    return {**os.environ, "PYTHONPATH": path}
 
 
 # The command -----------------------------------------------------------------------------------------------
