@@ -48,14 +48,6 @@ def test_usable_cpus_follow_the_affinity_not_the_host():
     assert devices.usable_cpus() == len(os.sched_getaffinity(0))
 
 
-def test_intra_op_threads():
-    assert devices.intra_op_threads(16, 4, has_gpu=False) == 4
-    assert devices.intra_op_threads(2, 4, has_gpu=False) == 1  # never zero
-    assert devices.intra_op_threads(32, 8, has_gpu=True) == 1
-    assert devices.intra_op_threads(32, 8, has_gpu=True, requested="3") == 3
-    assert devices.intra_op_threads(2, 2, has_gpu=False, requested="") == 1
-
-
 @pytest.mark.parametrize("count", [1, 2, 3, 7])
 def test_shards_partition_exactly(count):
     ids = [f"case:{i}" for i in range(23)]

@@ -77,17 +77,6 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def intra_op_threads(cpus: int, workers: int, has_gpu: bool, requested: str | None = None) -> int:
-    """torch's intra-op threads in one process of the suite: OMP_NUM_THREADS when the caller set it; with a
-    GPU, one (a GPU worker's host work is launching kernels and small tensors, and idle pool threads spinning
-    beside seven other workers' slowed a two-GPU premerge run: 63 s with four threads each, 60 s with one); on
-    a CPU, the worker's share of the cores (torch's default of one thread per core in every worker
-    oversubscribes them: the CPU smoke profile took 131 s instead of 11.5 s)."""
-    if requested:
-        return int(requested)
-    return 1 if has_gpu else max(1, cpus // workers)
-
-
 def auto_workers(n_gpus: int, workers_per_gpu: int, n_cpus: int) -> int:
     """`-n auto`: workers_per_gpu on each GPU (at most one per CPU), or one per CPU without GPUs."""
     if n_gpus == 0:

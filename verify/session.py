@@ -29,9 +29,11 @@ LAUNCHED_AT = timeline.process_started_at() if PROCESS != "main" else None
 
 
 def pytest_configure(config):
+    # Each worker's CPU work (reference, model, interpreter) gets its share of the cores, or OMP_NUM_THREADS
+    # when the caller set it: torch's default of one thread per core in every worker oversubscribes them
+    # (smoke: 131 s against 11.5 s).
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    torch.set_num_threads(devices.intra_op_threads(devices.usable_cpus(), workers, torch.cuda.is_available(),
-                                                   os.environ.get("OMP_NUM_THREADS")))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, devices.usable_cpus() // workers)))
     global _SESSION
     config.jfa_session = _SESSION = Session(config)
 
