@@ -9,7 +9,11 @@
 # bench's second run, run with fbtriton first on the path (it replaces triton: the triton backend then runs
 # on it too).
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# The machine's Python packages come without bytecode caches it can write: every process compiled sympy,
+# scipy and torch's Python from source again (sympy alone 1.9 s of each suite worker's first test). A cache
+# of our own, filled by the first process, gives later ones what an ordinary installation has.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp/jfa/pycache
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/jfa
 FBT=/tmp/fbt
