@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests import crashing
 
 REPO = Path(__file__).resolve().parent.parent
@@ -16,9 +18,11 @@ FAULT_CASE = "spec:q=4.5,kv=4.5,h=2/1,d=64,bf16,values=normal,layout=contiguous,
 GOOD_CASES = ["uniform:0", "broadcast_q:0"]
 
 
-def run_suite(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def run_suite(tmp_path: Path, *args: str, **environ: str | None) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`environ`: variables set for the run (None: unset)."""
     results = tmp_path / "results.jsonl"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), **environ)
+    env = {name: value for name, value in env.items() if value is not None}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-p", "no:cacheprovider", "verify/",
                            "--jfa-results", str(results), *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
@@ -83,6 +87,14 @@ def test_a_run_imports_neither_hypothesis_nor_scipy_stats_before_its_first_stati
     assert "::test_case[" in proc.stdout, proc.stdout + proc.stderr
     assert "imported: False False" in proc.stdout, proc.stdout[-2000:]
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("dont_write", ["1", None])
+def test_a_run_without_a_bytecode_cache_says_so(tmp_path, dont_write):
+    proc, records = run_suite(tmp_path, "--jfa-case", "uniform:0", "--jfa-backend", "bf16-model",
+                              PYTHONDONTWRITEBYTECODE=dont_write, PYTHONPYCACHEPREFIX=str(tmp_path / "pycache"))
+    assert proc.returncode == 0 and records, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert ("no bytecode cache" in proc.stdout) == (dont_write is not None), proc.stdout[-1000:]
 
 
 def test_the_xdist_controller_imports_no_torch(tmp_path):

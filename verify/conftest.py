@@ -148,3 +148,9 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.section("jfa verify summary")
     terminalreporter.write_line(results.summary_table(records))
     terminalreporter.write_line(f"results: {path} ({len(records)} records)")
+    if sys.dont_write_bytecode:
+        # Seen on the lent H200 machine: every worker's imports of torch, sympy (through torch.autograd.grad)
+        # and scipy took 8.7 s instead of 2.4 s, a fixed cost of every run however many GPUs share the work.
+        terminalreporter.write_line("note: Python writes no bytecode cache here (PYTHONDONTWRITEBYTECODE or -B), so "
+                                    "every test process compiles torch, sympy and scipy from source (seconds each); "
+                                    "unset it and set PYTHONPYCACHEPREFIX to a writable folder for faster starts")
