@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,3 +55,26 @@ def test_invariants_reuse_the_backward_tests_run():
     after_backward = check_case(spec, case_id, "invariants", cpu)
     assert counting_model.calls == calls_alone - 1 > 0
     assert [(r["tensor"], r["status"]) for r in after_backward] == [(r["tensor"], r["status"]) for r in alone]
+
+
+def test_nan_filled_allocations_fill_and_restore_without_loading_inductor():
+    """Fresh memory is NaN inside, torch's switches come back as they were, and Inductor is not imported to
+    set its flag (seconds per process) unless it was loaded already, in which case its flag follows too."""
+    script = """
+import sys, torch
+from verify.runner import nan_filled_allocations
+assert not torch.are_deterministic_algorithms_enabled()
+torch.utils.deterministic.fill_uninitialized_memory = False
+with nan_filled_allocations():
+    assert torch.empty(64).isnan().all() and torch.are_deterministic_algorithms_enabled()
+assert not torch.are_deterministic_algorithms_enabled() and not torch.utils.deterministic.fill_uninitialized_memory
+assert "torch._inductor" not in sys.modules
+import torch._inductor.config as inductor_config
+with nan_filled_allocations():
+    assert inductor_config.deterministic and torch.is_deterministic_algorithms_warn_only_enabled()
+assert not inductor_config.deterministic and not torch.are_deterministic_algorithms_enabled()
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.stdout.strip() == "ok", proc.stdout + proc.stderr[-3000:]

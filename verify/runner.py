@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -33,17 +34,27 @@ class Outputs:
         return {name: t for name, t in vars(self).items() if t is not None}
 
 
+def _use_deterministic_algorithms(mode: bool, warn_only: bool) -> None:
+    """torch.use_deterministic_algorithms, which also sets Inductor's flag and so imports Inductor and Dynamo
+    (2.6 s in each suite worker's first invariants test on the H200 machine) where nothing compiles with
+    Inductor: its flag is set when Inductor is loaded (FlexAttention's process), else only torch's switch."""
+    if "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    else:
+        torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
+
+
 @contextlib.contextmanager
 def nan_filled_allocations():
     """Every torch.empty inside is filled with NaN, so an element a kernel never writes shows up."""
     previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    _use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        _use_deterministic_algorithms(previous[0], warn_only=previous[1])
         torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
