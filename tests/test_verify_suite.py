@@ -89,6 +89,25 @@ def test_a_run_imports_neither_hypothesis_nor_scipy_stats_before_its_first_stati
     assert not list(tmp_path.iterdir())
 
 
+def test_shards_run_together_find_what_the_whole_run_finds(tmp_path):
+    """Two shards of a case list, run apart (as two CI hosts would), give records equal to one run of the
+    whole list in every field but the run's own (`python -m verify same`), a failing case included."""
+    cases = [arg for case in (*GOOD_CASES, "singletons:0", "block_edges:1") for arg in ("--jfa-case", case)]
+    backends = ["--jfa-backend", "bf16-model", "--jfa-backend", "tests.planted:lse_base2"]
+    files = {}
+    for name, shard in (("whole", "0/1"), ("s0", "0/2"), ("s1", "1/2")):
+        (tmp_path / name).mkdir()
+        proc, records = run_suite(tmp_path / name, *cases, *backends, "--shard", shard)
+        assert records and any(r.get("status") == "fail" for r in records), proc.stdout[-2000:] + proc.stderr[-2000:]
+        files[name] = str(tmp_path / name / "results.jsonl")
+    same = [sys.executable, "-m", "verify", "same", "--b", files["whole"], "--a"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([*same, files["s0"], files["s1"]], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0 and "same: " in proc.stdout, proc.stdout + proc.stderr
+    proc = subprocess.run([*same, files["s0"]], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 1 and "only in b: " in proc.stdout, proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("dont_write", ["1", None])
 def test_a_run_without_a_bytecode_cache_says_so(tmp_path, dont_write):
     proc, records = run_suite(tmp_path, "--jfa-case", "uniform:0", "--jfa-backend", "bf16-model",

@@ -1,6 +1,6 @@
-"""`python -m verify {gate,bisect,report,timeline}`: the pre-merge numerical gate, precision-regression
-bisection (for `git bisect run`), the HTML report of one or more results files, and where a run's wall time
-went per worker."""
+"""`python -m verify {gate,bisect,report,timeline,same}`: the pre-merge numerical gate, precision-regression
+bisection (for `git bisect run`), the HTML report of one or more results files, where a run's wall time
+went per worker, and whether two runs found the same."""
 
 from __future__ import annotations
 
@@ -11,14 +11,15 @@ import sys
 from verify import devices
 
 # name: (module, exit status of a usage error, summary). Only the chosen command's module is imported:
-# gate and bisect run checks or kernels (torch, Triton, seconds to import); timeline and report read results
-# files only (no torch).
+# gate and bisect run checks or kernels (torch, Triton, seconds to import); timeline, report and same read
+# results files only (no torch).
 COMMANDS = {
     "gate": ("verify.gate", 2, "compare a run with the stored baseline of its device (ratchet)"),
     # exit 2 would mark every commit bad under git bisect run; 128 aborts it (verify.bisect.ABORT)
     "bisect": ("verify.bisect", 128, "judge one commit (or each kernel config) for git bisect run"),
     "report": ("verify.report", 2, "render results files as one self-contained HTML page"),
     "timeline": ("verify.timeline", 2, "where a run's wall time went, per xdist worker"),
+    "same": ("verify.same", 2, "whether two runs (or shards against a whole run) found the same, record for record"),
 }
 NEEDS_TORCH = ("gate", "bisect")
 

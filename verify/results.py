@@ -57,6 +57,12 @@ class ResultsFile:
             handle.write("".join(dumps(record) + "\n" for record in records))
 
 
+# A record's fields that say how the run went (which worker ran the test, when, and how long its parts took),
+# not what the test found: they differ between runs of the same cases (verify.same leaves them out).
+RUN_FIELDS = frozenset({"worker", "finished_at", "worker_launched_at", "worker_started_at", "duration_s",
+                        "context_s", "stats_s"})
+
+
 def _clean(value):
     """JSON has no inf/nan: store them as strings ("inf", "nan")."""
     if isinstance(value, float) and not math.isfinite(value):
