@@ -2,8 +2,9 @@
 # The GPU work of a session on the lent H200 machine(s), in stages, each writing under $OUT:
 #   bash scripts/gpu_session.sh STAGE [STAGE ...]
 # Stages: env, triton-selftest, tlx-selftest, premerge:GPUS:BACKENDS:TAG[:CPUS], bench, tune:ROLES,
-# sanitizer:TOOL:BACKEND[:i/n], repeat, ab:BASE. A group STAGE+STAGE+... runs its stages at once, the i-th on GPU
-# i mod (the GPUs present), e.g. the shards of a sanitizer run spread over a multi-GPU machine.
+# sanitizer:TOOL:BACKEND[:i/n], repeat, ab:BASE, scaling[:BACKENDS]. A group STAGE+STAGE+... runs its stages
+# at once, the i-th on GPU i mod (the GPUs present), e.g. the shards of a sanitizer run spread over a
+# multi-GPU machine.
 # The machine has no package registry: run from the carried tree (PYTHONPATH) and carry
 # fbtriton in .carry for the tlx stages (../shared/device/README.md); a stage naming the tlx backend, and
 # bench's second run, run with fbtriton first on the path (it replaces triton: the triton backend then runs
@@ -37,7 +38,7 @@ stage_triton_selftest() { timeout 240 python3 -m jfa.triton.gpu_selftest --jobs 
 
 stage_tlx_selftest() { with_fbtriton timeout 300 python3 -m jfa.tlx.gpu_selftest 2>&1 | tee "$OUT/tlx_selftest.txt"; }
 
-# premerge GPUS "BACKENDS" TAG [CPUS]: the premerge profile on the first GPUS GPUs, 4 workers each; wall time
+# premerge GPUS "BACKENDS" TAG [CPUS]: the premerge profile (or PROFILE) on the first GPUS GPUs, 4 workers each; wall time
 # recorded. CPUS (a taskset list, e.g. 0-15) confines the run to those cores: one GPU's share of a host with
 # several, so that a 1-GPU run there has what a 1-GPU machine has (nvidia-h200: 16 cores). RESUME=1 continues
 # the stage's run of the same TAG that a time limit stopped (pytest's --jfa-resume).
@@ -50,7 +51,7 @@ stage_premerge() {
   [ -n "$cpus" ] && confine=(taskset -c "$cpus")
   local start=$SECONDS
   CUDA_VISIBLE_DEVICES=$devices for_backends "$backends" "${confine[@]}" timeout ${PREMERGE_TIMEOUT:-300} python3 -m pytest -n auto -q -p no:cacheprovider \
-    verify/ --jfa-profile premerge --jfa-workers-per-gpu ${WPG:-4} "${args[@]}" --jfa-results /tmp/jfa/$tag.jsonl >> /tmp/jfa/$tag.log 2>&1
+    verify/ --jfa-profile ${PROFILE:-premerge} --jfa-workers-per-gpu ${WPG:-4} "${args[@]}" --jfa-results /tmp/jfa/$tag.jsonl >> /tmp/jfa/$tag.log 2>&1
   echo "premerge $tag on $gpus GPU(s)${cpus:+, cores $cpus}, backends $backends: exit $?, wall $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
   tail -n 60 /tmp/jfa/$tag.log
   # A run stopped by its time limit has not merged its worker files: keep those.
@@ -109,6 +110,25 @@ stage_ab() {
   python3 scripts/ab_probe.py summary "$OUT/ab.jsonl" | tee "$OUT/ab.txt"
 }
 
+# scaling [BACKENDS]: the premerge profile once on every GPU (compiling the Triton kernels into the cache), then
+# timed on one GPU with its share of the cores (as a one-GPU machine has them) and on every GPU; prints both
+# runs' `verify timeline` run lines, the wall ratio, and `verify same` of the two runs' records.
+stage_scaling() {
+  local backends=${1:-triton,bf16-model} gpus share one all
+  gpus=$(nvidia-smi --list-gpus | wc -l)
+  share=$(( $(nproc) / gpus ))
+  stage_premerge "$gpus" "${backends//,/ }" scale_warm > /dev/null
+  stage_premerge 1 "${backends//,/ }" scale_1gpu "0-$((share - 1))" > /dev/null
+  stage_premerge "$gpus" "${backends//,/ }" scale_all > /dev/null
+  one=$(awk '/^run:/ {print $2}' "$OUT/scale_1gpu.timeline.txt")
+  all=$(awk '/^run:/ {print $2}' "$OUT/scale_all.timeline.txt")
+  {
+    grep -h "^run:" "$OUT/scale_1gpu.timeline.txt" "$OUT/scale_all.timeline.txt"
+    echo "scaling: 1 GPU ($share cores) $one s, $gpus GPUs $all s: $(python3 -c "print(f'{$one / $all:.2f}')")x"
+    python3 -m verify same --a /tmp/jfa/scale_1gpu.jsonl --b /tmp/jfa/scale_all.jsonl
+  } 2>&1 | tee "$OUT/scaling.txt"
+}
+
 stage_repeat() { timeout 240 python3 -m verify.repeat --backend triton --runs 200 --deterministic 2>&1 | tee "$OUT/repeat.txt"; }
 
 run_stage() {
@@ -118,6 +138,7 @@ run_stage() {
     sanitizer:*) IFS=: read -r _ tool backend shard <<< "$1"; stage_sanitizer "$tool" "$backend" "$shard" ;;
     tune:*) stage_tune "${1#tune:}" ;;
     ab:*) stage_ab "${1#ab:}" ;;
+    scaling:*) stage_scaling "${1#scaling:}" ;;
     *) "stage_${1//-/_}" ;;
   esac
 }
