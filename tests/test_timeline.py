@@ -39,8 +39,9 @@ def test_per_worker_counts_each_test_once_and_sums_its_tensors_statistics():
     # The run starts at gw0's session start, 95; its first test starts at 110 - 4 - 5 - 1 = 100.
     assert gw0.startup_s == pytest.approx(5.0) and gw1.startup_s == 0.0
     rows = {line.split()[0]: line.split() for line in table(workers).splitlines()[2:4]}
-    assert rows["gw0"][-3:] == ["5.0", "3.0", "25.0"]  # 25 s span: 5 s start-up, 17 s busy, 3 s other
-    assert rows["gw1"][-3:] == ["0.0", "5.0", "35.0"]  # first test starts at 100, 5 s after the run
+    # 25 s span: 5 s start-up, 17 s busy (the first test, the forward, 9 s of it plus 1 s of statistics), 3 s other
+    assert rows["gw0"][-4:] == ["5.0", "10.0", "3.0", "25.0"]
+    assert rows["gw1"][-4:] == ["0.0", "30.0", "5.0", "35.0"]  # first test starts at 100, 5 s after the run
     assert "the last worker ends 10.0 s after the first" in table(workers)
 
 

@@ -7,12 +7,13 @@ Each test's records carry `worker`, `finished_at` (epoch seconds), `duration_s` 
 cached), `stats_s` (the statistics of each tensor), `worker_launched_at` (when the worker's process
 started) and `worker_started_at` (when its session began, after its imports). Per worker: its tests, the
 time in each of those parts, its imports, its start-up (from its session's start to its first test's start:
-collection, waiting for the other workers) and what is left of its span (from the run's first worker start
-to its own last finish) outside them: scheduling, result writing, idling. A run that scales badly shows
-either one worker finishing far after the others (imbalance) or a large unaccounted share on every worker
-(fixed cost). The merged file's header adds when the run started (pytest loaded the suite, after Python's
-and pytest's own imports) and when its results were merged, so the last line splits the run into start-up,
-tests and end.
+collection, waiting for the other workers), its first test's time (counted in the parts too; where one-time
+costs land: lazy imports and initialisation, seconds above what the same test costs later) and what is
+left of its span (from the run's first worker start to its own last finish) outside them: scheduling,
+result writing, idling. A run that scales badly shows either one worker finishing far after the others
+(imbalance), a large unaccounted share on every worker, or long first tests (fixed costs). The merged
+file's header adds when the run started (pytest loaded the suite, after Python's and pytest's own imports)
+and when its results were merged, so the last line splits the run into start-up, tests and end.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class WorkerTime:
     context_s: float = 0.0
     stats_s: float = 0.0
     first_start: float = float("inf")
+    first_s: float = 0.0  # the first test's time: one-time costs (imports, lazy initialisation) land there
     last_finish: float = 0.0
     started_at: float = float("inf")
     launched_at: float = float("inf")
@@ -85,7 +87,9 @@ def per_worker(records: list[dict]) -> dict[str, WorkerTime]:
         w.test_s += t["duration_s"]
         w.context_s += t["context_s"]
         w.stats_s += t["stats_s"]
-        w.first_start = min(w.first_start, t["finished_at"] - t["duration_s"] - t["context_s"] - t["stats_s"])
+        busy = t["duration_s"] + t["context_s"] + t["stats_s"]
+        if t["finished_at"] - busy < w.first_start:
+            w.first_start, w.first_s = t["finished_at"] - busy, busy
         w.last_finish = max(w.last_finish, t["finished_at"])
         w.started_at = min(w.started_at, t["started_at"])
         w.launched_at = min(w.launched_at, t["launched_at"])
@@ -98,13 +102,14 @@ def table(workers: dict[str, WorkerTime], header: dict | None = None) -> str:
     start = min(min(w.first_start, w.started_at) for w in workers.values())
     end = max(w.last_finish for w in workers.values())
     lines = [f"{'worker':8s} {'tests':>5s} {'contexts':>8s} {'tests s':>8s} {'context s':>9s} {'stats s':>8s} "
-             f"{'imports s':>9s} {'start-up s':>10s} {'other s':>8s} {'ends at s':>9s}"]
+             f"{'imports s':>9s} {'start-up s':>10s} {'first s':>8s} {'other s':>8s} {'ends at s':>9s}"]
     lines.append("-" * len(lines[0]))
     for name in sorted(workers, key=lambda n: (len(n), n)):
         w = workers[name]
         span = w.last_finish - start
         lines.append(f"{name:8s} {w.tests:5d} {w.contexts:8d} {w.test_s:8.1f} {w.context_s:9.1f} {w.stats_s:8.1f} "
-                     f"{w.imports_s:9.1f} {w.startup_s:10.1f} {span - w.busy_s - w.startup_s:8.1f} {span:9.1f}")
+                     f"{w.imports_s:9.1f} {w.startup_s:10.1f} {w.first_s:8.1f} {span - w.busy_s - w.startup_s:8.1f} "
+                     f"{span:9.1f}")
     busy = sum(w.busy_s for w in workers.values())
     lines.append(f"span of the tests {end - start:.1f} s over {len(workers)} workers; busy {busy:.1f} worker-s "
                  f"({busy / len(workers):.1f} s each on average); the last worker ends "
