@@ -194,7 +194,6 @@ def _rerun_in(buffers, fn, inputs, base: Outputs) -> list[str]:
 def _rotated_buffers(fn, inputs) -> tuple:
     """Offsets buffers that served a call first, for backends that waive batch invariance (no checked
     sub-batch call to borrow them from): the case's rows with the sequence lengths rotated by one."""
-
     buffers = tuple(None if offsets is None else _offsets_of(offsets.long().diff().roll(1))
                     for offsets in (inputs.q_offsets, inputs.kv_offsets))
     run(fn, inputs.q, inputs.k, inputs.v, *buffers, inputs.dout, inputs.kwargs, backward=True)
