@@ -38,10 +38,10 @@ stage_triton_selftest() { timeout 240 python3 -m jfa.triton.gpu_selftest --jobs 
 
 stage_tlx_selftest() { with_fbtriton timeout 300 python3 -m jfa.tlx.gpu_selftest 2>&1 | tee "$OUT/tlx_selftest.txt"; }
 
-# premerge GPUS "BACKENDS" TAG [CPUS]: the premerge profile (or PROFILE) on the first GPUS GPUs, 4 workers each; wall time
-# recorded. CPUS (a taskset list, e.g. 0-15) confines the run to those cores: one GPU's share of a host with
-# several, so that a 1-GPU run there has what a 1-GPU machine has (nvidia-h200: 16 cores). RESUME=1 continues
-# the stage's run of the same TAG that a time limit stopped (pytest's --jfa-resume).
+# premerge GPUS "BACKENDS" TAG [CPUS]: the premerge profile (or PROFILE) on the first GPUS GPUs, WPG (4) workers
+# each; wall time recorded. CPUS (a taskset list, e.g. 0-15) confines the run to those cores: one GPU's share
+# of a host with several, so that a 1-GPU run there has what a 1-GPU machine has (nvidia-h200: 16 cores).
+# RESUME=1 continues the stage's run of the same TAG that a time limit stopped (pytest's --jfa-resume).
 stage_premerge() {
   local gpus=$1 backends=$2 tag=$3 cpus=${4:-} devices args=() confine=()
   # the first GPUS of those visible (a group stage is given its own)

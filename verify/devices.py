@@ -1,5 +1,5 @@
-"""Which GPU (and how many CPUs) each xdist worker uses, and which cases each CI shard runs: pure functions,
-unit-tested with simulated device lists, beside the driver queries they are given."""
+"""Which GPU (and how many CPUs) each xdist worker uses, and which cases each CI shard runs: pure functions
+unit-tested with simulated device lists, and the few queries of the driver and the OS that feed them."""
 
 from __future__ import annotations
 
