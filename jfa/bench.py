@@ -13,8 +13,11 @@ are triton.testing.do_bench means (warm-up first; the first calls, which compile
 before timing). Reported: forward time, forward+backward time, backward = (fwd+bwd) − fwd, TFLOP/s that
 count only visible (query, key) pairs — forward 4·pairs·D per head, backward 2.5× that — the ratio of
 each to torch-varlen (FlashAttention-2), GB/s of compulsory traffic (inputs read and outputs written
-once: q, k, v, out, lse forward; q, k, v, out, dout, lse read and dq, dk, dv written backward), and peak
-extra memory (torch.cuda.max_memory_allocated minus inputs and outputs), and the forward's device time (its
+once: q, k, v, out, lse forward; q, k, v, out, dout, lse read and dq, dk, dv written backward) and that
+rate as a share of the device's copy rate (a 1 GiB device-to-device copy timed at the start of the run),
+per row the memory roofline (the traffic's time at the copy rate, and the ratio to torch-varlen of a kernel
+that took no longer: beyond it only by moving bytes faster than a copy does), peak extra memory
+(torch.cuda.max_memory_allocated minus inputs and outputs), and the forward's device time (its
 kernels and copies, torch.profiler over five calls): the forward's time minus it is what the GPU waited for
 the host (the op's one wait for the offsets, then its host work until the launch), within the spread of
 kernel times between two measurements (a few % on the long rows). A profiled loop would add the profiler's
@@ -130,7 +133,8 @@ def row_inputs(row: str, dtype, head_dim: int, seed: int, device, causal: bool =
     return (q, k, v, q_off, kv_off, dout), kwargs, pairs
 
 
-def bench_row(row: str, backends, dtype, head_dim: int, causal: bool, window, repeats: int, seed: int):
+def bench_row(row: str, backends, dtype, head_dim: int, causal: bool, window, repeats: int, seed: int,
+              copy_gbps: float):
     import torch
 
     from jfa import backends as registry
@@ -169,7 +173,7 @@ def bench_row(row: str, backends, dtype, head_dim: int, causal: bool, window, re
         except Exception as error:  # noqa: BLE001 - report and go on with the other backends
             record["error"] = f"{type(error).__name__}: {str(error)[:500]}"
         if "fwdbwd_ms" in record:
-            derive(record, fwd_bytes, bwd_bytes)
+            derive(record, fwd_bytes, bwd_bytes, copy_gbps)
         results.append(record)
         torch.cuda.empty_cache()
         _print_record(record)
@@ -178,16 +182,35 @@ def bench_row(row: str, backends, dtype, head_dim: int, causal: bool, window, re
         if peer and "bwd_ms" in r:
             r["fwd_vs_varlen"] = peer["fwd_ms"] / r["fwd_ms"]
             r["bwd_vs_varlen"] = peer["bwd_ms"] / r["bwd_ms"] if r["bwd_ms"] > 0 else float("nan")
+            # The most any kernel could reach against FA2 here if the traffic alone set the time.
+            r["fwd_roofline_vs_varlen"] = peer["fwd_ms"] / r["fwd_floor_ms"]
+            r["bwd_roofline_vs_varlen"] = peer["bwd_ms"] / r["bwd_floor_ms"]
     return results, input_bytes
 
 
-def derive(record: dict, fwd_bytes: float, bwd_bytes: float) -> None:
-    """A timed record's derived figures: backward = (fwd+bwd) - fwd, TFLOP/s and GB/s."""
+def derive(record: dict, fwd_bytes: float, bwd_bytes: float, copy_gbps: float) -> None:
+    """A timed record's derived figures: backward = (fwd+bwd) - fwd, TFLOP/s, GB/s, and that GB/s as a share
+    of the device's copy rate, with the time the compulsory traffic alone takes at that rate (floor)."""
     record["bwd_ms"] = record["fwdbwd_ms"] - record["fwd_ms"]
     record["fwd_tflops"] = record["fwd_flops"] / record["fwd_ms"] * 1e-9
     record["bwd_tflops"] = record["bwd_flops"] / record["bwd_ms"] * 1e-9 if record["bwd_ms"] > 0 else float("nan")
     record["fwd_gbps"] = fwd_bytes / record["fwd_ms"] * 1e-6
     record["bwd_gbps"] = bwd_bytes / record["bwd_ms"] * 1e-6 if record["bwd_ms"] > 0 else float("nan")
+    for key, nbytes in (("fwd", fwd_bytes), ("bwd", bwd_bytes)):
+        record[f"{key}_copy_share"] = record[f"{key}_gbps"] / copy_gbps
+        record[f"{key}_floor_ms"] = nbytes / copy_gbps * 1e-6
+
+
+def copy_rate_gbps(nbytes: int = 2**30) -> float:
+    """The device's copy rate, GB/s of bytes read plus written by a copy of `nbytes` (the memory roofline the
+    rows' GB/s are measured against: DESIGN.md's ~4.3 TB/s on the H200)."""
+    import torch
+    import triton.testing
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = float(np.median([triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100) for _ in range(3)]))
+    return 2 * nbytes / ms * 1e-6
 
 
 def _device_ms(fn, calls: int = 5) -> float:
@@ -246,7 +269,8 @@ def _print_record(r):
 
 def print_table(results) -> None:
     head = (f"{'row':9s} {'backend':13s} {'fwd ms':>8s} {'TF/s':>6s} {'xFA2':>5s} {'bwd ms':>8s} {'TF/s':>6s} "
-            f"{'xFA2':>5s} {'fwd GB/s':>8s} {'bwd GB/s':>8s} {'extra MiB f/fb':>15s} {'fwd dev ms':>10s}")
+            f"{'xFA2':>5s} {'fwd GB/s':>8s} {'bwd GB/s':>8s} {'copy% f/b':>9s} {'extra MiB f/fb':>15s} "
+            f"{'fwd dev ms':>10s}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -258,9 +282,22 @@ def print_table(results) -> None:
             return f"{r[key]:5.2f}" if key in r else "    -"
 
         extra = f"{r['fwd_extra_bytes'] / 2**20:.0f}/{r['fwdbwd_extra_bytes'] / 2**20:.0f}"
+        copy = f"{100 * r['fwd_copy_share']:.0f}/{100 * r['bwd_copy_share']:.0f}"
         print(f"{r['row']:9s} {r['backend']:13s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:6.1f} {ratio('fwd_vs_varlen')} "
               f"{r['bwd_ms']:8.3f} {r['bwd_tflops']:6.1f} {ratio('bwd_vs_varlen')} {r['fwd_gbps']:8.0f} "
-              f"{r['bwd_gbps']:8.0f} {extra:>15s} {r['fwd_device_ms']:10.3f}")
+              f"{r['bwd_gbps']:8.0f} {copy:>9s} {extra:>15s} {r['fwd_device_ms']:10.3f}")
+
+
+def print_rooflines(results, copy_gbps: float) -> None:
+    """Per row, the time its compulsory traffic takes at the copy rate, and the ratio to torch-varlen a
+    kernel at that floor (with no host time) would have: beyond it only by moving bytes faster than a copy."""
+    print(f"memory roofline at the device copy rate, {copy_gbps:.0f} GB/s (read + write):")
+    seen = set()
+    for r in results:
+        if "fwd_roofline_vs_varlen" in r and r["row"] not in seen:
+            seen.add(r["row"])
+            print(f"  {r['row']:9s} fwd >= {r['fwd_floor_ms']:.3f} ms (at most {r['fwd_roofline_vs_varlen']:.2f}x "
+                  f"FA2), bwd >= {r['bwd_floor_ms']:.3f} ms (at most {r['bwd_roofline_vs_varlen']:.2f}x FA2)")
 
 
 def main(argv=None) -> int:
@@ -288,16 +325,19 @@ def main(argv=None) -> int:
     print("TFLOP/s count visible pairs only: forward 4·pairs·D per head, backward 2.5x that; "
           "backward time = (fwd+bwd) - fwd; xFA2 = torch-varlen time / this time; fwd dev ms = the forward's "
           "kernels and copies (profiler); fwd ms - fwd dev ms = what the GPU waited for the host.", flush=True)
+    copy_gbps = copy_rate_gbps()
     results = []
     for row in args.rows:
         rows, _ = bench_row(row, args.backends, dtype, args.head_dim, args.causal, args.window, args.repeats,
-                            args.seed)
+                            args.seed, copy_gbps)
         results += rows
     print()
     print_table(results)
+    print_rooflines(results, copy_gbps)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": env, "args": vars(args), "results": results}, f, indent=1, default=str)
+            json.dump({"environment": env, "args": vars(args), "copy_gbps": copy_gbps, "results": results}, f,
+                      indent=1, default=str)
         print(f"wrote {args.json}")
     return 0
 

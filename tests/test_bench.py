@@ -12,10 +12,24 @@ def test_derived_figures_and_table(capsys):
     reaches the table."""
     record = {"row": "gem", "backend": "triton", "fwd_flops": 4e12, "bwd_flops": 1e13, "fwd_ms": 2.0,
               "fwdbwd_ms": 7.0, "fwd_device_ms": 1.625, "fwd_extra_bytes": 2**20, "fwdbwd_extra_bytes": 3 * 2**20}
-    bench.derive(record, fwd_bytes=4e9, bwd_bytes=1e10)
+    bench.derive(record, fwd_bytes=4e9, bwd_bytes=1e10, copy_gbps=4000.0)
     assert record["bwd_ms"] == 5.0
     assert math.isclose(record["fwd_tflops"], 2000.0) and math.isclose(record["bwd_tflops"], 2000.0)
     assert math.isclose(record["fwd_gbps"], 2000.0) and math.isclose(record["bwd_gbps"], 2000.0)
+    # At 4000 GB/s the 4 GB forward traffic takes 1 ms and the 10 GB backward traffic 2.5 ms: half the rate.
+    assert math.isclose(record["fwd_floor_ms"], 1.0) and math.isclose(record["bwd_floor_ms"], 2.5)
+    assert math.isclose(record["fwd_copy_share"], 0.5) and math.isclose(record["bwd_copy_share"], 0.5)
     bench.print_table([record])
     line = capsys.readouterr().out.splitlines()[-1].split()
     assert line[:2] == ["gem", "triton"] and line[2] == "2.000" and line[5] == "5.000" and line[-1] == "1.625"
+    assert line[-3] == "50/50"
+
+
+def test_rooflines_name_the_best_ratio_a_kernel_could_reach(capsys):
+    """FA2 at 3 ms on a row whose traffic takes 0.5 ms at the copy rate: no kernel beats 6x there."""
+    record = {"row": "tiny", "backend": "triton", "fwd_floor_ms": 0.5, "bwd_floor_ms": 1.25,
+              "fwd_roofline_vs_varlen": 3.0 / 0.5, "bwd_roofline_vs_varlen": 11.0 / 1.25}
+    bench.print_rooflines([record, dict(record, backend="torch-varlen")], copy_gbps=4300.0)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("memory roofline at the device copy rate, 4300 GB/s") and len(out) == 2
+    assert "fwd >= 0.500 ms (at most 6.00x FA2), bwd >= 1.250 ms (at most 8.80x FA2)" in out[1]
