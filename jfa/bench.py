@@ -205,12 +205,17 @@ def copy_rate_gbps(nbytes: int = 2**30) -> float:
     """The device's copy rate, GB/s of bytes read plus written by a copy of `nbytes` (the memory roofline the
     rows' GB/s are measured against: DESIGN.md's ~4.3 TB/s on the H200)."""
     import torch
-    import triton.testing
 
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = float(np.median([triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100) for _ in range(3)]))
-    return 2 * nbytes / ms * 1e-6
+    return 2 * nbytes / _median_ms(lambda: dst.copy_(src), 3) * 1e-6
+
+
+def _median_ms(fn, repeats: int) -> float:
+    """The median of `repeats` do_bench means of fn (ms)."""
+    import triton.testing
+
+    return float(np.median([triton.testing.do_bench(fn, warmup=25, rep=100) for _ in range(repeats)]))
 
 
 def _device_ms(fn, calls: int = 5) -> float:
@@ -229,7 +234,6 @@ def _device_ms(fn, calls: int = 5) -> float:
 def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: int) -> None:
     """Times forward and forward+backward of one backend into `record` (ms, peak extra bytes)."""
     import torch
-    import triton.testing
 
     import jfa
 
@@ -254,8 +258,7 @@ def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: in
         torch.cuda.synchronize()
         record[f"{key}_extra_bytes"] = max(0, torch.cuda.max_memory_allocated() - base - out_bytes)
         del result
-        times = [triton.testing.do_bench(fn, warmup=25, rep=100) for _ in range(repeats)]
-        record[f"{key}_ms"] = float(np.median(times))
+        record[f"{key}_ms"] = _median_ms(fn, repeats)
         record[f"{key}_device_ms"] = _device_ms(fn)
 
 
