@@ -41,7 +41,8 @@ stage_tlx_selftest() { with_fbtriton timeout 300 python3 -m jfa.tlx.gpu_selftest
 # premerge GPUS "BACKENDS" TAG [CPUS]: the premerge profile (or PROFILE) on the first GPUS GPUs, WPG (4) workers
 # each; wall time recorded. CPUS (a taskset list, e.g. 0-15) confines the run to those cores: one GPU's share
 # of a host with several, so that a 1-GPU run there has what a 1-GPU machine has (nvidia-h200: 16 cores).
-# RESUME=1 continues the stage's run of the same TAG that a time limit stopped (pytest's --jfa-resume).
+# RESUME=1 continues the stage's run of the same TAG that a time limit stopped (pytest's --jfa-resume);
+# PYTEST_ARGS are added to pytest's (e.g. --jfa-worker-cpus all).
 stage_premerge() {
   local gpus=$1 backends=$2 tag=$3 cpus=${4:-} devices args=() confine=()
   # the first GPUS of those visible (a group stage is given its own)
@@ -51,7 +52,7 @@ stage_premerge() {
   [ -n "$cpus" ] && confine=(taskset -c "$cpus")
   local start=$SECONDS
   CUDA_VISIBLE_DEVICES=$devices for_backends "$backends" "${confine[@]}" timeout ${PREMERGE_TIMEOUT:-300} python3 -m pytest -n auto -q -p no:cacheprovider \
-    verify/ --jfa-profile ${PROFILE:-premerge} --jfa-workers-per-gpu ${WPG:-4} "${args[@]}" --jfa-results /tmp/jfa/$tag.jsonl >> /tmp/jfa/$tag.log 2>&1
+    verify/ --jfa-profile ${PROFILE:-premerge} --jfa-workers-per-gpu ${WPG:-4} "${args[@]}" ${PYTEST_ARGS:-} --jfa-results /tmp/jfa/$tag.jsonl >> /tmp/jfa/$tag.log 2>&1
   echo "premerge $tag on $gpus GPU(s)${cpus:+, cores $cpus}, backends $backends: exit $?, wall $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
   tail -n 60 /tmp/jfa/$tag.log
   # A run stopped by its time limit has not merged its worker files: keep those.
@@ -112,21 +113,22 @@ stage_ab() {
 
 # scaling [BACKENDS]: the premerge profile once on every GPU (compiling the Triton kernels into the cache), then
 # timed on one GPU with its share of the cores (as a one-GPU machine has them) and on every GPU; prints both
-# runs' `verify timeline` run lines, the wall ratio, and `verify same` of the two runs' records.
+# runs' `verify timeline` run lines, the wall ratio, and `verify same` of the two runs' records. SCALE_TAG
+# names a second scaling stage's files apart from the first's (e.g. one with other PYTEST_ARGS).
 stage_scaling() {
-  local backends=${1:-triton,bf16-model} gpus share one all
+  local backends=${1:-triton,bf16-model} tag=${SCALE_TAG:-} gpus share one all
   gpus=$(nvidia-smi --list-gpus | wc -l)
   share=$(( $(nproc) / gpus ))
-  stage_premerge "$gpus" "${backends//,/ }" scale_warm > /dev/null
-  stage_premerge 1 "${backends//,/ }" scale_1gpu "0-$((share - 1))" > /dev/null
-  stage_premerge "$gpus" "${backends//,/ }" scale_all > /dev/null
-  one=$(awk '/^run:/ {print $2}' "$OUT/scale_1gpu.timeline.txt")
-  all=$(awk '/^run:/ {print $2}' "$OUT/scale_all.timeline.txt")
+  stage_premerge "$gpus" "${backends//,/ }" scale_warm$tag > /dev/null
+  stage_premerge 1 "${backends//,/ }" scale_1gpu$tag "0-$((share - 1))" > /dev/null
+  stage_premerge "$gpus" "${backends//,/ }" scale_all$tag > /dev/null
+  one=$(awk '/^run:/ {print $2}' "$OUT/scale_1gpu$tag.timeline.txt")
+  all=$(awk '/^run:/ {print $2}' "$OUT/scale_all$tag.timeline.txt")
   {
-    grep -h "^run:" "$OUT/scale_1gpu.timeline.txt" "$OUT/scale_all.timeline.txt"
-    echo "scaling: 1 GPU ($share cores) $one s, $gpus GPUs $all s: $(python3 -c "print(f'{$one / $all:.2f}')")x"
-    python3 -m verify same --a /tmp/jfa/scale_1gpu.jsonl --b /tmp/jfa/scale_all.jsonl
-  } 2>&1 | tee "$OUT/scaling.txt"
+    grep -h "^run:" "$OUT/scale_1gpu$tag.timeline.txt" "$OUT/scale_all$tag.timeline.txt"
+    echo "scaling$tag: 1 GPU ($share cores) $one s, $gpus GPUs $all s: $(python3 -c "print(f'{$one / $all:.2f}')")x"
+    python3 -m verify same --a /tmp/jfa/scale_1gpu$tag.jsonl --b /tmp/jfa/scale_all$tag.jsonl
+  } 2>&1 | tee "$OUT/scaling$tag.txt"
 }
 
 stage_repeat() { timeout 240 python3 -m verify.repeat --backend triton --runs 200 --deterministic 2>&1 | tee "$OUT/repeat.txt"; }

@@ -1,5 +1,6 @@
 """GPU pinning of xdist workers and CI sharding, with simulated device lists."""
 
+import json
 import os
 import subprocess
 import sys
@@ -46,6 +47,34 @@ def test_usable_cpus_follow_the_affinity_not_the_host():
     usable, host = map(int, subprocess.check_output([sys.executable, "-c", confined], text=True).split())
     assert usable == 1 and host == os.cpu_count()
     assert devices.usable_cpus() == len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("cpus,count", [(list(range(16)), 4), (list(range(32)), 8), ([0, 1, 4, 5, 6], 2),
+                                        (list(range(8, 24)), 3), (list(range(2)), 1)])
+def test_cpu_shares_partition_the_cpus_into_contiguous_near_equal_slices(cpus, count):
+    shares = [devices.cpu_share(cpus, i, count) for i in range(count)]
+    assert sum(shares, []) == cpus  # disjoint, complete, in order: each slice contiguous in the list
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_more_workers_than_cpus_take_one_cpu_each_round_robin():
+    assert [devices.cpu_share([3, 9], i, 5) for i in range(5)] == [[3], [9], [3], [9], [3]]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+@pytest.mark.parametrize("mode", ["share", "all"])
+def test_worker_cpus_pins_a_worker_to_its_share_or_leaves_it(mode):
+    """In a fresh process of its own (the affinity is the process's): the second of two workers on the usable
+    CPUs takes the second slice under "share" and threads as many as its CPUs; under "all" it keeps every CPU
+    and half of them as threads (at least one)."""
+    probe = f"import json, os; from verify import devices; n = devices.worker_cpus('gw1', 2, {mode!r}); " \
+            "print(json.dumps([n, sorted(os.sched_getaffinity(0))]))"
+    threads, pinned = json.loads(subprocess.check_output([sys.executable, "-c", probe], text=True))
+    usable = sorted(os.sched_getaffinity(0))
+    if mode == "share":
+        assert pinned == devices.cpu_share(usable, 1, 2) and threads == len(pinned)
+    else:
+        assert pinned == usable and threads == max(1, len(usable) // 2)
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 7])

@@ -49,6 +49,9 @@ def pytest_addoption(parser):
                          "records in them; the merged results hold both runs'")
     group.addoption("--jfa-workers-per-gpu", type=int, default=4, metavar="K",
                     help="with -n auto on a GPU host: K xdist workers per GPU (default 4)")
+    group.addoption("--jfa-worker-cpus", default="share", choices=("share", "all"),
+                    help="share (default): each xdist worker runs on its own slice of the usable CPUs; all: every "
+                         "worker may run on any of them (each with its share of threads either way)")
 
 
 def _is_worker(config) -> bool:

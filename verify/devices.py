@@ -71,10 +71,36 @@ def assign_gpu(worker_id: str, devices: list[str]) -> str | None:
     return devices[worker_index(worker_id) % len(devices)]
 
 
-def usable_cpus() -> int:
+def usable_cpu_list() -> list[int]:
     """The CPUs this process may run on: its affinity (taskset, a container's cpuset), not os.cpu_count(),
-    which counts the whole host; a worker's thread share and `-n auto` are sized from it."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    which counts the whole host; a worker's share and `-n auto` are sized from it."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def usable_cpus() -> int:
+    return len(usable_cpu_list())
+
+
+def cpu_share(cpus: list[int], index: int, count: int) -> list[int]:
+    """Worker `index` of `count`'s CPUs: the index-th of `count` contiguous slices of `cpus` whose sizes differ
+    by at most one, or one CPU, taken round-robin, when there are more workers than CPUs."""
+    if count >= len(cpus):
+        return [cpus[index % len(cpus)]]
+    return cpus[index * len(cpus) // count:(index + 1) * len(cpus) // count]
+
+
+def worker_cpus(process: str, workers: int, mode: str) -> int:
+    """This process's number of threads for CPU work, its share of the usable CPUs. With mode "share" an xdist
+    worker ("gwN") first confines itself to its own slice (cpu_share), so that the workers' threads stay off
+    each other's cores; with "all" (or outside xdist) every process may run anywhere."""
+    cpus = usable_cpu_list()
+    if mode == "share" and process != "main" and hasattr(os, "sched_setaffinity"):
+        cpus = cpu_share(cpus, worker_index(process), workers)
+        os.sched_setaffinity(0, cpus)
+        return len(cpus)
+    return max(1, len(cpus) // workers)
 
 
 def auto_workers(n_gpus: int, workers_per_gpu: int, n_cpus: int) -> int:

@@ -31,9 +31,10 @@ LAUNCHED_AT = timeline.process_started_at() if PROCESS != "main" else None
 def pytest_configure(config):
     # Each worker's CPU work (reference, model, interpreter) gets its share of the cores, or OMP_NUM_THREADS
     # when the caller set it: torch's default of one thread per core in every worker oversubscribes them
-    # (smoke: 131 s against 11.5 s).
+    # (smoke: 131 s against 11.5 s). Set before torch starts its threads, which inherit the affinity.
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, devices.usable_cpus() // workers)))
+    threads = devices.worker_cpus(PROCESS, workers, config.getoption("jfa_worker_cpus"))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or threads))
     global _SESSION
     config.jfa_session = _SESSION = Session(config)
 
