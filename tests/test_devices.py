@@ -61,6 +61,14 @@ def test_more_workers_than_cpus_take_one_cpu_each_round_robin():
     assert [devices.cpu_share([3, 9], i, 5) for i in range(5)] == [[3], [9], [3], [9], [3]]
 
 
+def test_a_replacement_worker_past_the_count_gets_a_slice_not_nothing():
+    """xdist replaces a crashed worker under a new id (gw4 of 4 workers); an empty CPU set would fail
+    sched_setaffinity and lose the rest of the crashed worker's tests."""
+    cpus = list(range(16))
+    assert devices.cpu_share(cpus, 4, 4) == devices.cpu_share(cpus, 0, 4) == [0, 1, 2, 3]
+    assert devices.cpu_share(cpus, 7, 4) == [12, 13, 14, 15]
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
 @pytest.mark.parametrize("mode", ["share", "all"])
 def test_worker_cpus_pins_a_worker_to_its_share_or_leaves_it(mode):

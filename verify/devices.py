@@ -85,7 +85,9 @@ def usable_cpus() -> int:
 
 def cpu_share(cpus: list[int], index: int, count: int) -> list[int]:
     """Worker `index` of `count`'s CPUs: the index-th of `count` contiguous slices of `cpus` whose sizes differ
-    by at most one, or one CPU, taken round-robin, when there are more workers than CPUs."""
+    by at most one, or one CPU, taken round-robin, when there are more workers than CPUs. An index past the
+    count (xdist names a crashed worker's replacement gw<count>, gw<count+1>, ...) wraps around."""
+    index %= count
     if count >= len(cpus):
         return [cpus[index % len(cpus)]]
     return cpus[index * len(cpus) // count:(index + 1) * len(cpus) // count]
