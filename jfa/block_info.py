@@ -126,6 +126,20 @@ MASK_EDGES = tl.constexpr(2)
 
 
 @triton.jit
+def over_blocks(blocks: tl.constexpr, carry, args, lo, full_lo, full_hi, hi, ONE_LOOP: tl.constexpr):
+    """The blocks [lo, hi) of a range through `blocks(*carry, start, end, full_lo, full_hi, *args, MASK)`, which
+    returns the new carry (a tuple of accumulators): one loop masked at both edges when ONE_LOOP (causal and
+    window tiles), else three segments, masked, unmasked and masked (see MASK_EDGES above)."""
+    if ONE_LOOP:
+        carry = blocks(*carry, lo, hi, full_lo, full_hi, *args, MASK_EDGES)
+    else:
+        carry = blocks(*carry, lo, full_lo, full_lo, full_hi, *args, MASK_ALWAYS)
+        carry = blocks(*carry, full_lo, full_hi, full_lo, full_hi, *args, MASK_NEVER)
+        carry = blocks(*carry, full_hi, hi, full_lo, full_hi, *args, MASK_ALWAYS)
+    return carry
+
+
+@triton.jit
 def block_masked(start, full_lo, full_hi, MASK: tl.constexpr):
     """Whether the block at `start` applies the rule under MASK: a constexpr for MASK_NEVER and MASK_ALWAYS
     (no branch is compiled), a runtime scalar for MASK_EDGES."""

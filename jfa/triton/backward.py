@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from jfa.block_info import MASK_ALWAYS, MASK_EDGES, MASK_NEVER, block_masked, kv_block_range, q_block_range
+from jfa.block_info import MASK_NEVER, block_masked, kv_block_range, over_blocks, q_block_range
 from jfa.mask import visible
 from jfa.softmax import backward_row_stats, raw_scores, shifted_exp2
 from jfa.triton.forward import (
@@ -94,11 +94,11 @@ def _query_rows(Q, DOut, Out, RowMax, RowSum, q_start, out_start, m0, head, offs
 
 
 @triton.jit
-def _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, start, end, full_lo, full_hi, offs_m, offs_n, offs_d,
+def _dq_blocks(dq, start, end, full_lo, full_hi, q, do, m_b, inv_b, delta, k_seq, v_seq, offs_m, offs_n, offs_d,
                offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2,
-               DT: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, MASK_D: tl.constexpr,
-               MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-               INTERPRET: tl.constexpr):
+               DT: tl.constexpr, BLOCK_N: tl.constexpr, MASK_D: tl.constexpr, MASK_DV: tl.constexpr,
+               NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, INTERPRET: tl.constexpr,
+               MASK: tl.constexpr):
     """Key blocks [start, end) of one query block, masked as MASK says (see `_fwd_blocks`)."""
     for n in range(start, end, BLOCK_N):
         key_ok = (n + offs_n) < kv_len
@@ -110,7 +110,7 @@ def _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, start, end, full_lo, 
                               block_masked(n, full_lo, full_hi, MASK), q_len, kv_len, window, scale_log2, NEG_SCALE,
                               HAS_WINDOW, CAUSAL, INTERPRET)
         dq = mma_acc(rounded(ds, DT, INTERPRET), k, dq, INTERPRET)
-    return dq
+    return (dq,)
 
 
 @kernel
@@ -152,21 +152,12 @@ def _dq_kernel(
         k_seq = row_base(K, kv_start, sk_t, kv_head, sk_h)
         v_seq = row_base(V, kv_start, sv_t, kv_head, sv_h)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        if CAUSAL or HAS_WINDOW:  # one loop, masked at both edges (jfa.block_info.MASK_EDGES says why)
-            dq = _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, lo, hi, full_lo, full_hi, offs_m, offs_n,
-                            offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2,
-                            DT, BLOCK_N, MASK_EDGES, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
-        else:  # three segments: see jfa.block_info.MASK_EDGES
-            dq = _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, lo, full_lo, full_lo, full_hi, offs_m, offs_n,
-                            offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2,
-                            DT, BLOCK_N, MASK_ALWAYS, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
-            dq = _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, full_lo, full_hi, full_lo, full_hi, offs_m,
-                            offs_n, offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window,
-                            scale_log2, DT, BLOCK_N, MASK_NEVER, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL,
-                            INTERPRET)
-            dq = _dq_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, full_hi, hi, full_lo, full_hi, offs_m, offs_n,
-                            offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2,
-                            DT, BLOCK_N, MASK_ALWAYS, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+        dq = over_blocks(
+            _dq_blocks, (dq,),
+            (q, do, m_b, inv_b, delta, k_seq, v_seq, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t,
+             sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL,
+             INTERPRET),
+            lo, full_lo, full_hi, hi, CAUSAL or HAS_WINDOW)[0]
         dq = dq * sm_scale
         mask = row_ok[:, None] & d_ok[None, :]
         if DQ_PARTIAL:
@@ -184,11 +175,11 @@ def _dq_kernel(
 
 
 @triton.jit
-def _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, start, end, full_lo, full_hi,
+def _dkv_blocks(dk, dv, start, end, full_lo, full_hi, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base,
                 offs_r, offs_n, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_d, sdo_t, sdo_d, q_len, kv_len, window,
-                scale_log2, DT: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, MASK_D: tl.constexpr,
-                MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-                INTERPRET: tl.constexpr):
+                scale_log2, DT: tl.constexpr, BLOCK_M: tl.constexpr, MASK_D: tl.constexpr, MASK_DV: tl.constexpr,
+                NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, INTERPRET: tl.constexpr,
+                MASK: tl.constexpr):
     """Query blocks [start, end) against one key block; masked blocks (MASK, see `_fwd_blocks`) apply the rule
     and mask rows >= q_len. Only scalar base pointers live across iterations."""
     ROW_MASK: tl.constexpr = MASK != MASK_NEVER
@@ -271,24 +262,12 @@ def _dkv_kernel(
             q_seq = row_base(Q, q_start, sq_t, head, sq_h)
             do_seq = row_base(DOut, out_start, sdo_t, head, sdo_h)
             stat_base = tl.cast(head, tl.int64) * stat_h + out_start
-            if CAUSAL or HAS_WINDOW:  # one loop, masked at both edges (jfa.block_info.MASK_EDGES says why)
-                dk, dv = _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, lo, hi, full_lo,
-                                     full_hi, offs_r, offs_n, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_d, sdo_t, sdo_d,
-                                     q_len, kv_len, window, scale_log2, DT, BLOCK_M, MASK_EDGES, MASK_D, MASK_DV,
-                                     NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
-            else:  # three segments: see jfa.block_info.MASK_EDGES
-                dk, dv = _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, lo, full_lo,
-                                     full_lo, full_hi, offs_r, offs_n, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_d, sdo_t,
-                                     sdo_d, q_len, kv_len, window, scale_log2, DT, BLOCK_M, MASK_ALWAYS, MASK_D,
-                                     MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
-                dk, dv = _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, full_lo, full_hi,
-                                     full_lo, full_hi, offs_r, offs_n, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_d, sdo_t,
-                                     sdo_d, q_len, kv_len, window, scale_log2, DT, BLOCK_M, MASK_NEVER, MASK_D,
-                                     MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
-                dk, dv = _dkv_blocks(dk, dv, k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, full_hi, hi,
-                                     full_lo, full_hi, offs_r, offs_n, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_d, sdo_t,
-                                     sdo_d, q_len, kv_len, window, scale_log2, DT, BLOCK_M, MASK_ALWAYS, MASK_D,
-                                     MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+            dk, dv = over_blocks(
+                _dkv_blocks, (dk, dv),
+                (k, v, q_seq, do_seq, RowMax, RowSum, Delta, stat_base, offs_r, offs_n, offs_d, offs_dv, d_ok, dv_ok,
+                 sq_t, sq_d, sdo_t, sdo_d, q_len, kv_len, window, scale_log2, DT, BLOCK_M, MASK_D, MASK_DV, NEG_SCALE,
+                 HAS_WINDOW, CAUSAL, INTERPRET),
+                lo, full_lo, full_hi, hi, CAUSAL or HAS_WINDOW)
         dk = dk * sm_scale
         tl.store(row_base(DK, kv_start + n0, sdk_t, kv_head, sdk_h) + tile_offsets(offs_c, sdk_t, offs_d, 1),
                  stored(dk, DT, INTERPRET), mask=key_ok[:, None] & d_ok[None, :])
@@ -303,12 +282,12 @@ def _dkv_kernel(
 
 
 @triton.jit
-def _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, start, end, full_lo, full_hi, offs_m,
+def _short_blocks(dq, start, end, full_lo, full_hi, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, offs_m,
                   offs_n, offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, sdk_t, sdv_t, q_len, kv_len, window,
                   scale_log2, sm_scale,
-                  DT: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, MASK_D: tl.constexpr,
-                  MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-                  INTERPRET: tl.constexpr):
+                  DT: tl.constexpr, BLOCK_N: tl.constexpr, MASK_D: tl.constexpr, MASK_DV: tl.constexpr,
+                  NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, INTERPRET: tl.constexpr,
+                  MASK: tl.constexpr):
     """Key blocks [start, end) against every query row of the sequence, masked as MASK says (see
     `_fwd_blocks`): each block's dk = dSᵀ·Q and dv = Pᵀ·dO are complete and stored; dq += dS·K accumulates."""
     for n in range(start, end, BLOCK_N):
@@ -326,7 +305,7 @@ def _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, st
         dk = mma(tl.trans(ds), q, INTERPRET) * sm_scale
         _store_key_block(dk_seq, dv_seq, n, dk, dv, key_ok, offs_n, offs_d, offs_dv, d_ok, dv_ok, sdk_t, sdv_t, DT,
                          INTERPRET)
-    return dq
+    return (dq,)
 
 
 @triton.jit
@@ -400,24 +379,12 @@ def _bwd_short_kernel(
         dk_seq = row_base(DK, kv_start, sdk_t, kv_head, sdk_h)
         dv_seq = row_base(DV, kv_start, sdv_t, kv_head, sdv_h)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        if CAUSAL or HAS_WINDOW:  # one loop, masked at both edges (jfa.block_info.MASK_EDGES says why)
-            dq = _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, lo, hi, full_lo, full_hi,
-                               offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, sdk_t, sdv_t,
-                               q_len, kv_len, window, scale_log2, sm_scale, DT, BLOCK_N, MASK_EDGES, MASK_D, MASK_DV,
-                               NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
-        else:  # three segments: see jfa.block_info.MASK_EDGES
-            dq = _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, lo, full_lo, full_lo,
-                               full_hi, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, sdk_t,
-                               sdv_t, q_len, kv_len, window, scale_log2, sm_scale, DT, BLOCK_N, MASK_ALWAYS, MASK_D,
-                               MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
-            dq = _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, full_lo, full_hi, full_lo,
-                               full_hi, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, sdk_t,
-                               sdv_t, q_len, kv_len, window, scale_log2, sm_scale, DT, BLOCK_N, MASK_NEVER, MASK_D,
-                               MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
-            dq = _short_blocks(dq, q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, full_hi, hi, full_lo,
-                               full_hi, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, sdk_t,
-                               sdv_t, q_len, kv_len, window, scale_log2, sm_scale, DT, BLOCK_N, MASK_ALWAYS, MASK_D,
-                               MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+        dq = over_blocks(
+            _short_blocks, (dq,),
+            (q, do, m_b, inv_b, delta, k_seq, v_seq, dk_seq, dv_seq, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, sk_t,
+             sk_d, sv_t, sv_d, sdk_t, sdv_t, q_len, kv_len, window, scale_log2, sm_scale, DT, BLOCK_N, MASK_D,
+             MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET),
+            lo, full_lo, full_hi, hi, CAUSAL or HAS_WINDOW)[0]
         _zero_key_blocks(dk_seq, dv_seq, 0, lo, kv_len, offs_n, offs_d, offs_dv, d_ok, dv_ok, sdk_t, sdv_t, DT,
                          BLOCK_N, BLOCK_D, BLOCK_DV, INTERPRET)
         _zero_key_blocks(dk_seq, dv_seq, hi, kv_len, kv_len, offs_n, offs_d, offs_dv, d_ok, dv_ok, sdk_t, sdv_t, DT,

@@ -36,7 +36,7 @@ import inspect
 import triton
 import triton.language as tl
 
-from jfa.block_info import MASK_ALWAYS, MASK_EDGES, MASK_NEVER, block_masked, kv_block_range
+from jfa.block_info import MASK_NEVER, block_masked, kv_block_range, over_blocks
 from jfa.mask import visible
 from jfa.softmax import block_softmax, chunked_row_sum, finalize, online_update, raw_scores
 
@@ -212,11 +212,11 @@ def query_tile(tiles, t, n_heads, group, q_offsets, out_offsets, kv_offsets, win
 
 
 @triton.jit
-def _fwd_blocks(acc, m_i, l_i, q, k_seq, v_seq, start, end, full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, d_ok,
+def _fwd_blocks(acc, m_i, l_i, start, end, full_lo, full_hi, q, k_seq, v_seq, offs_m, offs_n, offs_d, offs_dv, d_ok,
                 dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2,
-                DT: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, MASK_D: tl.constexpr,
-                MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-                INTERPRET: tl.constexpr):
+                DT: tl.constexpr, BLOCK_N: tl.constexpr, MASK_D: tl.constexpr, MASK_DV: tl.constexpr,
+                NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, INTERPRET: tl.constexpr,
+                MASK: tl.constexpr):
     """Key blocks [start, end) of one query block; MASK (`jfa.block_info.block_masked`) says which apply the
     visibility rule. Loads are masked unless MASK is MASK_NEVER.
 
@@ -277,24 +277,11 @@ def _fwd_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        if CAUSAL or HAS_WINDOW:  # one loop, masked at both edges (jfa.block_info.MASK_EDGES says why)
-            acc, m_i, l_i = _fwd_blocks(
-                acc, m_i, l_i, q, k_seq, v_seq, lo, hi, full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, d_ok,
-                dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, MASK_EDGES, MASK_D,
-                MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
-        else:  # three segments: see jfa.block_info.MASK_EDGES
-            acc, m_i, l_i = _fwd_blocks(
-                acc, m_i, l_i, q, k_seq, v_seq, lo, full_lo, full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, d_ok,
-                dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, MASK_ALWAYS, MASK_D,
-                MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
-            acc, m_i, l_i = _fwd_blocks(
-                acc, m_i, l_i, q, k_seq, v_seq, full_lo, full_hi, full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv,
-                d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, MASK_NEVER,
-                MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
-            acc, m_i, l_i = _fwd_blocks(
-                acc, m_i, l_i, q, k_seq, v_seq, full_hi, hi, full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, d_ok,
-                dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len, window, scale_log2, DT, BLOCK_N, MASK_ALWAYS, MASK_D,
-                MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET)
+        acc, m_i, l_i = over_blocks(
+            _fwd_blocks, (acc, m_i, l_i),
+            (q, k_seq, v_seq, offs_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, sk_t, sk_d, sv_t, sv_d, q_len, kv_len,
+             window, scale_log2, DT, BLOCK_N, MASK_D, MASK_DV, NEG_SCALE, HAS_WINDOW, CAUSAL, INTERPRET),
+            lo, full_lo, full_hi, hi, CAUSAL or HAS_WINDOW)
 
         out, lse = finalize(acc, m_i, l_i, scale_abs)
         o_ptrs = row_base(Out, out_start + m0, so_t, head, so_h) + tile_offsets(offs_r, so_t, offs_dv, 1)
