@@ -40,11 +40,14 @@ stage_tlx_selftest() { with_fbtriton timeout 300 python3 -m jfa.tlx.gpu_selftest
 
 # premerge GPUS "BACKENDS" TAG [CPUS]: the premerge profile (or PROFILE) on the first GPUS GPUs, WPG (4) workers
 # each; wall time recorded. CPUS (a taskset list, e.g. 0-15) confines the run to those cores: one GPU's share
-# of a host with several, so that a 1-GPU run there has what a 1-GPU machine has (nvidia-h200: 16 cores).
+# of a host with several, so that a 1-GPU run there has what a 1-GPU machine has (nvidia-h200: 16 cores). In a
+# group, a stage without CPUS gets the group's i-th share of the cores (GROUP_CPUS), since each run's workers
+# pin themselves to slices of the cores they are given (--jfa-worker-cpus) and two runs given the same would
+# put their workers on the same slices.
 # RESUME=1 continues the stage's run of the same TAG that a time limit stopped (pytest's --jfa-resume);
 # PYTEST_ARGS are added to pytest's (e.g. --jfa-worker-cpus all).
 stage_premerge() {
-  local gpus=$1 backends=$2 tag=$3 cpus=${4:-} devices args=() confine=()
+  local gpus=$1 backends=$2 tag=$3 cpus=${4:-${GROUP_CPUS:-}} devices args=() confine=()
   # the first GPUS of those visible (a group stage is given its own)
   devices=$(tr , '\n' <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 15)}" | head -n "$gpus" | paste -sd,)
   for b in $backends; do args+=(--jfa-backend "$b"); done
@@ -145,14 +148,17 @@ run_stage() {
   esac
 }
 
-# A group's stages, each on one GPU; fbtriton is unpacked once first (concurrent unpacking would race).
+# A group's stages, each on one GPU and (premerge) its share of the cores; fbtriton is unpacked once first
+# (concurrent unpacking would race).
 run_group() {
-  local gpus i=0 stage
+  local gpus i=0 stage share
   gpus=$(nvidia-smi --list-gpus | wc -l)
   [[ "$1" == *tlx* || "$1" == *bench* ]] && with_fbtriton true
   IFS=+ read -ra parts <<< "$1"
   for stage in "${parts[@]}"; do
-    CUDA_VISIBLE_DEVICES=$((i % gpus)) run_stage "$stage" > "/tmp/jfa/group_$i.log" 2>&1 &
+    share=$(python3 -c "from verify.devices import cpu_share, usable_cpu_list
+print(','.join(map(str, cpu_share(usable_cpu_list(), $i, ${#parts[@]}))))")
+    CUDA_VISIBLE_DEVICES=$((i % gpus)) GROUP_CPUS=$share run_stage "$stage" > "/tmp/jfa/group_$i.log" 2>&1 &
     i=$((i + 1))
   done
   wait
