@@ -29,6 +29,11 @@ for_backends() {  # runs "$@" with fbtriton when the backends $1 include tlx
   if [[ " $backends " == *" tlx "* ]]; then with_fbtriton "$@"; else "$@"; fi
 }
 
+core_share() {  # the i-th ($1) of $2 shares of this process's usable cores as a taskset list (verify.devices)
+  python3 -c "from verify.devices import cpu_share, usable_cpu_list
+print(','.join(map(str, cpu_share(usable_cpu_list(), $1, $2))))"
+}
+
 stage_env() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/env.txt"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/env.txt"
@@ -119,17 +124,17 @@ stage_ab() {
 # runs' `verify timeline` run lines, the wall ratio, and `verify same` of the two runs' records. SCALE_TAG
 # names a second scaling stage's files apart from the first's (e.g. one with other PYTEST_ARGS).
 stage_scaling() {
-  local backends=${1:-triton,bf16-model} tag=${SCALE_TAG:-} gpus share one all
+  local backends=${1:-triton,bf16-model} tag=${SCALE_TAG:-} gpus cpus one all
   gpus=$(nvidia-smi --list-gpus | wc -l)
-  share=$(( $(nproc) / gpus ))
+  cpus=$(core_share 0 "$gpus")
   stage_premerge "$gpus" "${backends//,/ }" scale_warm$tag > /dev/null
-  stage_premerge 1 "${backends//,/ }" scale_1gpu$tag "0-$((share - 1))" > /dev/null
+  stage_premerge 1 "${backends//,/ }" scale_1gpu$tag "$cpus" > /dev/null
   stage_premerge "$gpus" "${backends//,/ }" scale_all$tag > /dev/null
   one=$(awk '/^run:/ {print $2}' "$OUT/scale_1gpu$tag.timeline.txt")
   all=$(awk '/^run:/ {print $2}' "$OUT/scale_all$tag.timeline.txt")
   {
     grep -h "^run:" "$OUT/scale_1gpu$tag.timeline.txt" "$OUT/scale_all$tag.timeline.txt"
-    echo "scaling$tag: 1 GPU ($share cores) $one s, $gpus GPUs $all s: $(python3 -c "print(f'{$one / $all:.2f}')")x"
+    echo "scaling$tag: 1 GPU ($(tr , '\n' <<< "$cpus" | wc -l) cores) $one s, $gpus GPUs $all s: $(python3 -c "print(f'{$one / $all:.2f}')")x"
     python3 -m verify same --a /tmp/jfa/scale_1gpu$tag.jsonl --b /tmp/jfa/scale_all$tag.jsonl
   } 2>&1 | tee "$OUT/scaling$tag.txt"
 }
@@ -151,14 +156,12 @@ run_stage() {
 # A group's stages, each on one GPU and (premerge) its share of the cores; fbtriton is unpacked once first
 # (concurrent unpacking would race).
 run_group() {
-  local gpus i=0 stage share
+  local gpus i=0 stage
   gpus=$(nvidia-smi --list-gpus | wc -l)
   [[ "$1" == *tlx* || "$1" == *bench* ]] && with_fbtriton true
   IFS=+ read -ra parts <<< "$1"
   for stage in "${parts[@]}"; do
-    share=$(python3 -c "from verify.devices import cpu_share, usable_cpu_list
-print(','.join(map(str, cpu_share(usable_cpu_list(), $i, ${#parts[@]}))))")
-    CUDA_VISIBLE_DEVICES=$((i % gpus)) GROUP_CPUS=$share run_stage "$stage" > "/tmp/jfa/group_$i.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=$((i % gpus)) GROUP_CPUS=$(core_share $i ${#parts[@]}) run_stage "$stage" > "/tmp/jfa/group_$i.log" 2>&1 &
     i=$((i + 1))
   done
   wait
