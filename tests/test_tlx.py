@@ -82,14 +82,87 @@ def test_unavailable_reasons(monkeypatch):
     assert "TRITON_INTERPRET" in backend.BACKEND.unavailable(torch.device("cuda"))
 
 
-def test_backward_is_the_triton_backward(monkeypatch):
+@pytest.mark.parametrize("dims,tlx_pass", [((128, 128), True), ((64, 64), True), ((96, 96), False),
+                                            ((128, 64), False), ((256, 256), False)])
+def test_backward_is_the_triton_backward_with_the_tlx_dkv_pass(monkeypatch, dims, tlx_pass):
+    """The tlx backward is the Triton backend's, given the TLX dK/dV pass exactly where the TLX kernels cover
+    the head dims (D = Dv in CONFIGS)."""
+    from types import SimpleNamespace
+
     from jfa.tlx import backend
     from jfa.triton import backend as triton_backend
 
     seen = []
-    monkeypatch.setattr(triton_backend.BACKEND, "backward", lambda *args: seen.append(args) or "grads")
-    args = ("dout", "q", "k", "v", "out", "lse", ("m", "l"), "problem")
-    assert backend.BACKEND.backward(*args) == "grads" and seen == [args]
+    monkeypatch.setattr(triton_backend.BACKEND, "backward",
+                        lambda *args, **kwargs: seen.append((args, kwargs)) or "grads")
+    problem = SimpleNamespace(head_dim=dims[0], head_dim_v=dims[1])
+    args = ("dout", "q", "k", "v", "out", "lse", ("m", "l"), problem)
+    assert backend.BACKEND.backward(*args) == "grads"
+    assert seen == [(args, {"dkv_pass": backend._launch_dkv if tlx_pass else None})]
+
+
+def test_triton_backward_runs_a_given_dkv_pass_instead_of_its_kernel():
+    """With `dkv_pass` the Triton backward leaves dk and dv of the ordinary sequences to it: called once, after
+    the dQ pass has stored D for their rows, with the dK/dV tile table; dq is the same as without it."""
+    reason = interpreter_unavailable()
+    if reason:
+        pytest.skip(reason)
+    from jfa.tlx.backend import rows_of
+    from jfa.triton import backend as triton_backend
+
+    q_lens, kv_lens = [150, 70, 0, 90, 20], [120, 80, 30, 0, 20]
+    (q, k, v), problem = _problem(q_lens, kv_lens, hq=4, hkv=2, d=16)
+    triton_backend.set_config(triton_backend.SMALL_BLOCKS)
+    try:
+        out, lse, residuals = triton_backend.BACKEND.forward(q, k, v, problem)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+        want = triton_backend.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem)
+        table = triton_backend.device_schedule(problem, triton_backend.SMALL_BLOCKS).host.dkv
+        seqs = np.unique(table.entries[:, 0])
+        key_rows = torch.from_numpy(rows_of(problem.kv_offsets_host.numpy(), np.asarray(kv_lens), seqs))
+        calls = []
+
+        def dkv_pass(*args):
+            dk, dv = args[4], args[5]
+            # Nothing wrote these sequences' dk and dv yet (fresh allocations are NaN-filled here).
+            calls.append(args + (bool(dk[key_rows].isnan().all() and dv[key_rows].isnan().all()),))
+            dk.fill_(7.0)
+            dv.fill_(-7.0)
+
+        fill = torch.utils.deterministic.fill_uninitialized_memory
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+        try:
+            got = triton_backend.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass=dkv_pass)
+        finally:
+            torch.utils.deterministic.fill_uninitialized_memory = fill
+            torch.use_deterministic_algorithms(deterministic)
+    finally:
+        triton_backend.set_config(None)
+    assert len(calls) == 1 and calls[0][9] is table and calls[0][10] is problem and calls[0][11]
+    delta = calls[0][8]
+    rows = torch.from_numpy(rows_of(problem.out_offsets_host.numpy(), np.asarray(q_lens), seqs))
+    want_delta = (dout.float() * out.float()).sum(-1).T
+    torch.testing.assert_close(delta[:, rows], want_delta[:, rows], rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[0], want[0])
+    assert (got[1] == 7).all() and (got[2] == -7).all()
+    assert not (want[1] == 7).all()
+
+
+def test_key_table_covers_the_ordinary_sequences_in_128_key_tiles():
+    """The TLX dK/dV tiles: every 128-key block of each sequence of the Triton dK/dV table (and no other),
+    times the key/value heads; cached per length profile."""
+    from jfa.tlx import backend
+
+    q_lens, kv_lens = [150, 70, 0, 90, 20], [300, 80, 30, 0, 20]
+    _, problem = _problem(q_lens, kv_lens, hq=4, hkv=2, d=128)
+    triton_table = ts.key_tiles(q_lens, kv_lens, np.array([0, 1, 2]), 64, 32, None, False, 2, 2)
+    table, on_device = backend.key_table(problem, triton_table, None)
+    want = {(s, n) for s in (0, 1, 2) for n in range(0, kv_lens[s], backend.BWD_BLOCK_N)}
+    assert {tuple(e) for e in table.entries.tolist()} == want and len(table.entries) == len(want)
+    assert table.heads == 2 and on_device == {}
+    assert backend.key_table(problem, triton_table, None)[0] is table
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -170,9 +243,11 @@ def test_config_reports_the_path():
 
     _, problem = _problem([300, 20, 0], [250, 20, 3], causal=True)
     info = BACKEND.config(problem)
-    assert info["path"] == "tlx" and info["backward"] == "triton" and info["schedule"] == "static zigzag"
+    assert info["path"] == "tlx" and info["backward"] == "triton, dK/dV pass by TLX"
+    assert info["schedule"] == "static zigzag"
     assert info["block_m"] == 128 and info["tiles"] == 3 * 4 and info["triton_sequences"] == 2
-    assert BACKEND.config(_problem([30], [30], d=80)[1])["path"] == "triton"
+    other = BACKEND.config(_problem([30], [30], d=80)[1])
+    assert other["path"] == "triton" and other["backward"] == "triton"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The TLX backend (`jfa.tlx.backend:BACKEND`): a warp-specialised Hopper forward, the Triton backward.
+"""The TLX backend (`jfa.tlx.backend:BACKEND`): warp-specialised Hopper forward and dK/dV kernels, the rest of
+the backward Triton's.
 
 Paths (`BACKEND.config(problem)["path"]` names the one a call takes; the verify suite records it):
 - "tlx": the kernel of `jfa.tlx.forward` (TMA producer, two ping-pong wgmma consumers, persistent over a
@@ -12,7 +13,10 @@ Paths (`BACKEND.config(problem)["path"]` names the one a call takes; the verify 
 - "none": no query rows (B = 0 or all q lengths 0): empty outputs, nothing is launched.
 bf16 and fp16 both take the TLX path.
 
-Backward: always `jfa.triton.backend.BACKEND.backward`. The TLX forward returns the residuals that backward
+Backward: `jfa.triton.backend.BACKEND.backward` (D and dq in its dQ pass, short-query and packed sequences),
+its dK/dV pass over the ordinary sequences replaced by the kernel of `jfa.tlx.backward` where the head dims
+are the TLX forward's (D = Dv in {64, 128}; `tlx_dkv`): deterministic, and bitwise the Triton dK/dV pass's
+gradients (the same products added in the same order). The TLX forward returns the residuals the backward
 reads, exactly as the Triton forward does: the raw row max m and the row sum l ([Hq, rows] fp32 each,
 `jfa.softmax`), from which it recomputes P robustly.
 
@@ -23,8 +27,8 @@ stock triton.
 
 Inputs are read through TMA descriptors straight from the caller's tensors when their layout allows it
 (unit head-dim stride, 16-byte aligned base and row stride; fused-QKV slices qualify); otherwise from a
-contiguous copy. Memory beyond inputs and outputs: m and l, the tile table (O(T) int32) and, for mixed
-batches, the gathered tiny sub-batch.
+contiguous copy. Memory beyond inputs and outputs: m and l, the tile tables (O(T) int32) and, for mixed
+batches, the gathered tiny sub-batch; the backward's are the Triton backward's.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from jfa.problem import Problem
 
 # Compute capability (major·10 + minor) -> module holding that architecture's `fwd_ws_kernel`.
 KERNELS = {90: "jfa.tlx.forward"}
+BWD_KERNELS = {90: "jfa.tlx.backward"}  # ... and the one holding its `dkv_ws_kernel`
 
 
 @dataclass(frozen=True)
@@ -202,6 +207,77 @@ def _launch_tlx(q, k, v, out, lse, row_max, row_sum, plan: HostPlan, problem: Pr
         )
 
 
+# The dK/dV pass (`jfa.tlx.backward`): query rows per block, keys per tile, depth of the Q/dO ring.
+BWD_BLOCK_M, BWD_BLOCK_N, BWD_BUFFERS = 64, 128, 2
+_KEY_TABLES: OrderedDict = OrderedDict()
+
+
+def tlx_dkv(problem: Problem) -> bool:
+    """Whether the TLX dK/dV pass covers the problem's head dims (those of the TLX forward)."""
+    return problem.head_dim == problem.head_dim_v and problem.head_dim in CONFIGS
+
+
+def key_table(problem: Problem, triton_table: ts.TileTable, window) -> tuple[ts.TileTable, dict]:
+    """The TLX dK/dV tile table (key tiles of BWD_BLOCK_N over the sequences of the Triton dK/dV table, the
+    ordinary ones) and its device copies by device, cached per length profile."""
+    key = (problem.lengths_key, problem.kv_heads, problem.group_size, window, problem.causal)
+    if key in _KEY_TABLES:
+        _KEY_TABLES.move_to_end(key)
+        return _KEY_TABLES[key]
+    seqs = np.unique(triton_table.entries[:, 0])
+    table = ts.key_tiles(problem.q_lens.numpy(), problem.kv_lens.numpy(), seqs, BWD_BLOCK_N, BWD_BLOCK_M, window,
+                         problem.causal, problem.kv_heads, problem.group_size)
+    _KEY_TABLES[key] = (table, {})
+    while len(_KEY_TABLES) > _PLAN_CACHE_SIZE:
+        _KEY_TABLES.popitem(last=False)
+    return _KEY_TABLES[key]
+
+
+def _statistics_descriptor(x: torch.Tensor):
+    """A flat 1-D descriptor of the [Hq, rows] fp32 statistics x with boxes of 2·BWD_BLOCK_M (the kernel
+    starts each box at a 16-byte aligned element); arrays shorter than a box are copied into one."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    box = 2 * BWD_BLOCK_M
+    flat = x.reshape(-1)
+    if flat.numel() < box:
+        flat = torch.cat([flat, flat.new_zeros(box - flat.numel())])
+    return TensorDescriptor(flat, shape=[flat.numel()], strides=[1], block_shape=[box])
+
+
+def _launch_dkv(q, k, v, dout, dk, dv, row_max, row_sum, delta, triton_table, problem: Problem) -> None:
+    """The TLX dK/dV pass (`jfa.tlx.backward`) over the sequences of the Triton dK/dV tile table; D (delta) is
+    the dQ pass's. The three statistics share one layout ([Hq, rows], contiguous, as both forwards and the
+    Triton backward allocate them)."""
+    from jfa.triton.backend import LOG2E, MIN_SCALE_LOG2, effective_window
+
+    device = q.device
+    window = None if problem.window is None else effective_window(problem)
+    table, on_device = key_table(problem, triton_table, window)
+    if str(device) not in on_device:
+        on_device[str(device)] = torch.from_numpy(table.entries.ravel()).to(device)
+    kernel = importlib.import_module(BWD_KERNELS[_arch(device)]).dkv_ws_kernel
+    desc_q, sq_h = _descriptor(q, BWD_BLOCK_M)
+    desc_do, sdo_h = _descriptor(dout, BWD_BLOCK_M)
+    desc_k, sk_h = _descriptor(k, BWD_BLOCK_N // 2)
+    desc_v, sv_h = _descriptor(v, BWD_BLOCK_N // 2)
+    desc_m, desc_l, desc_delta = (_statistics_descriptor(x) for x in (row_max, row_sum, delta))
+    n_tiles = table.n_tiles
+    problem.confirm()
+    programs = min(n_tiles, torch.cuda.get_device_properties(device).multi_processor_count)
+    scale = problem.sm_scale
+    kernel[(programs,)](
+        desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, dk, dv,
+        on_device[str(device)], n_tiles, problem.q_offsets, problem.out_offsets, problem.kv_offsets,
+        sq_h, sdo_h, sk_h, sv_h, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), row_max.stride(0),
+        q.shape[0], dout.shape[0], k.shape[0], max(abs(scale) * LOG2E, MIN_SCALE_LOG2), scale,
+        effective_window(problem), problem.kv_heads, problem.group_size,
+        HEAD_DIM=problem.head_dim, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, BUFFERS=BWD_BUFFERS,
+        NEG_SCALE=scale < 0, HAS_WINDOW=problem.window is not None, CAUSAL=problem.causal, num_warps=NUM_WARPS,
+        num_stages=1,
+    )
+
+
 def _forward_tiny(q, k, v, out, lse, row_max, row_sum, tiny: np.ndarray, problem: Problem) -> None:
     """The Triton forward on the sub-batch of the tiny sequences, scattered back into the outputs."""
     from jfa.triton.backend import BACKEND as TRITON
@@ -237,8 +313,8 @@ class TlxBackend:
     name = "tlx"
     speculative = True  # _launch_tlx, _forward_tiny and the Triton launches confirm the problem first
     description = ("TLX warp-specialised Hopper forward (TMA producer, ping-pong wgmma consumers, persistent "
-                   "zigzag tiles) for D = Dv in {64, 128}; Triton forward otherwise and for tiny sequences; "
-                   "Triton backward")
+                   "zigzag tiles) and dK/dV pass for D = Dv in {64, 128}; Triton forward otherwise and for tiny "
+                   "sequences; the rest of the backward Triton's")
 
     def unavailable(self, device: torch.device) -> str | None:
         missing = tlx_missing()
@@ -258,7 +334,8 @@ class TlxBackend:
     def config(self, problem: Problem) -> dict:
         """Which path a call takes and why; for the TLX path its kernel config and tile counts."""
         plan = host_plan(problem, pack_block_for(problem))
-        info = {"path": plan.path, "reason": plan.reason, "backward": "triton"}
+        info = {"path": plan.path, "reason": plan.reason,
+                "backward": "triton, dK/dV pass by TLX" if tlx_dkv(problem) else "triton"}
         if plan.path == "tlx":
             info.update(asdict(CONFIGS[problem.head_dim]), schedule="static zigzag", tiles=plan.tiles.n_tiles,
                         triton_sequences=int(plan.tiny.size))
@@ -286,10 +363,12 @@ class TlxBackend:
         return out, lse, (row_max, row_sum)
 
     def backward(self, dout, q, k, v, out, lse, residuals, problem: Problem):
-        """The Triton backend's backward (residuals m and l are those the Triton forward writes)."""
+        """The Triton backend's backward (residuals m and l are those the Triton forward writes), its dK/dV
+        pass replaced by the TLX kernel where that covers the head dims."""
         from jfa.triton.backend import BACKEND as TRITON
 
-        return TRITON.backward(dout, q, k, v, out, lse, residuals, problem)
+        dkv_pass = _launch_dkv if tlx_dkv(problem) else None
+        return TRITON.backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass=dkv_pass)
 
 
 BACKEND = TlxBackend()

@@ -1,10 +1,11 @@
 """Compile-only check of the TLX kernels (no GPU): `python -m jfa.tlx.compile_check [--quick]`.
 
-Needs fbtriton (Triton with TLX; it ships ptxas). Compiles every kernel configuration of `jfa.tlx.backend`
-(head dims × dtypes × mask kinds) for each architecture in `KERNELS` with triton.compile(ASTSource(...),
-target=GPUTarget("cuda", arch, 32)), then runs ptxas -v on the PTX and prints per configuration: the
-launch register count, the per-warpgroup budgets set by setmaxnreg (producer / consumers), spill bytes
-and shared memory (which must fit the 227 KiB a Hopper CTA can have). Exits 1 on any failure.
+Needs fbtriton (Triton with TLX; it ships ptxas). Compiles every configuration (head dims × dtypes × mask
+kinds) of each TLX kernel of `jfa.tlx.backend` (the forward of `KERNELS`, the dK/dV pass of `BWD_KERNELS`)
+for each architecture with triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32)), then runs
+ptxas -v on the PTX and prints per configuration: the launch register count, the per-warpgroup budgets set
+by setmaxnreg (producer / consumers), spill bytes and shared memory (which must fit the 227 KiB a Hopper CTA
+can have). Exits 1 on any failure.
 """
 
 from __future__ import annotations
@@ -20,33 +21,58 @@ import time
 MAX_SHARED = 232_448  # bytes of shared memory one CTA may use on sm_90 (227 KiB)
 
 
-def _signature(fn, dtype: str, head_dim: int, cfg, constexprs: dict):
-    """Argument types of `fwd_ws_kernel` as the launcher would specialise them (pointers 16-byte aligned)."""
+def _signature(fn, constexprs: dict, descriptors: dict, pointers: dict, floats: tuple, aligned: tuple):
+    """Argument types as the launcher specialises them: tensor descriptors and pointers by name (pointers
+    16-byte aligned), the named float scalars, the rest int32 (`aligned` ones divisible by 16)."""
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name == "desc_q":
-            sig[name] = f"tensordesc<{dtype}[{cfg.block_m // 2},{head_dim}]>"
-        elif name in ("desc_k", "desc_v"):
-            sig[name] = f"tensordesc<{dtype}[{cfg.block_n},{head_dim}]>"
-        elif name == "Out":
-            sig[name] = f"*{dtype}"
-        elif name in ("Lse", "RowMax", "RowSum"):
-            sig[name] = "*fp32"
-        elif name in ("tiles", "q_offsets", "out_offsets", "kv_offsets"):
-            sig[name] = "*i32"
-        elif name in ("scale_log2", "scale_abs"):
-            sig[name] = "fp32"
+        elif name in descriptors:
+            sig[name] = f"tensordesc<{descriptors[name]}>"
+        elif name in pointers:
+            sig[name] = f"*{pointers[name]}"
         else:
-            sig[name] = "i32"
-        if sig[name].startswith("*") or name in ("sq_h", "sk_h", "sv_h", "so_t", "so_h"):
+            sig[name] = "fp32" if name in floats else "i32"
+        if sig[name].startswith("*") or name in aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
 
 
+def forward_kernel(dtype: str, d: int, causal: bool, window: bool, neg: bool):
+    """(kernel name, constexprs, signature arguments, label) of a `fwd_ws_kernel` configuration."""
+    from jfa.tlx.backend import CONFIGS
+
+    cfg = CONFIGS[d]
+    constexprs = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_BUFFERS=cfg.q_buffers,
+                      KV_BUFFERS=cfg.kv_buffers, NEG_SCALE=neg, HAS_WINDOW=window, CAUSAL=causal)
+    descriptors = {"desc_q": f"{dtype}[{cfg.block_m // 2},{d}]", "desc_k": f"{dtype}[{cfg.block_n},{d}]",
+                   "desc_v": f"{dtype}[{cfg.block_n},{d}]"}
+    pointers = {"Out": dtype, "Lse": "fp32", "RowMax": "fp32", "RowSum": "fp32", **_INDEX_POINTERS}
+    types = (descriptors, pointers, ("scale_log2", "scale_abs"), ("sq_h", "sk_h", "sv_h", "so_t", "so_h"))
+    return "fwd_ws_kernel", constexprs, types, f"q_buf={cfg.q_buffers} kv_buf={cfg.kv_buffers}"
+
+
+def backward_kernel(dtype: str, d: int, causal: bool, window: bool, neg: bool):
+    """(kernel name, constexprs, signature arguments, label) of a `dkv_ws_kernel` configuration."""
+    from jfa.tlx.backend import BWD_BLOCK_M, BWD_BLOCK_N, BWD_BUFFERS
+
+    constexprs = dict(HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, BUFFERS=BWD_BUFFERS, NEG_SCALE=neg,
+                      HAS_WINDOW=window, CAUSAL=causal)
+    descriptors = {"desc_q": f"{dtype}[{BWD_BLOCK_M},{d}]", "desc_do": f"{dtype}[{BWD_BLOCK_M},{d}]",
+                   "desc_k": f"{dtype}[{BWD_BLOCK_N // 2},{d}]", "desc_v": f"{dtype}[{BWD_BLOCK_N // 2},{d}]",
+                   **{name: f"fp32[{2 * BWD_BLOCK_M}]" for name in ("desc_m", "desc_l", "desc_delta")}}
+    pointers = {"DK": dtype, "DV": dtype, **_INDEX_POINTERS}
+    types = (descriptors, pointers, ("scale_log2", "sm_scale"),
+             ("sq_h", "sdo_h", "sk_h", "sv_h", "sdk_t", "sdk_h", "sdv_t", "sdv_h"))
+    return "dkv_ws_kernel", constexprs, types, f"buf={BWD_BUFFERS}"
+
+
+_INDEX_POINTERS = {name: "i32" for name in ("tiles", "q_offsets", "out_offsets", "kv_offsets")}
+
+
 def variants(quick: bool):
-    """(head dim, dtype, causal, window, negative scale) of every configuration to compile."""
+    """(head dim, dtype, causal, window, negative scale) of every configuration to compile (of each kernel)."""
     from jfa.tlx.backend import CONFIGS
 
     for d in sorted(CONFIGS):
@@ -71,49 +97,54 @@ def compile_all(quick: bool = False) -> bool:
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
-    from jfa.tlx.backend import CONFIGS, KERNELS, NUM_WARPS
+    from jfa.tlx.backend import BWD_KERNELS, KERNELS, NUM_WARPS
 
     ok = True
     tmp = tempfile.mkdtemp()
-    for arch, module in sorted(KERNELS.items()):
-        fn = importlib.import_module(module).fwd_ws_kernel
+    for arch in sorted(KERNELS):
         ptxas = get_ptxas(arch).path
-        print(f"sm_{arch}: {module}.fwd_ws_kernel, triton {triton.__version__}, {ptxas}")
-        for d, dtype, causal, window, neg in variants(quick):
-            cfg = CONFIGS[d]
-            constexprs = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_BUFFERS=cfg.q_buffers,
-                              KV_BUFFERS=cfg.kv_buffers, NEG_SCALE=neg, HAS_WINDOW=window, CAUSAL=causal)
-            label = (f"D{d} {dtype} causal={int(causal)} window={int(window)} neg_scale={int(neg)} "
-                     f"q_buf={cfg.q_buffers} kv_buf={cfg.kv_buffers}")
-            sig, attrs = _signature(fn, dtype, d, cfg, constexprs)
-            start = time.perf_counter()
-            try:
-                kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
-                                        options=dict(num_warps=NUM_WARPS, num_stages=1))
-            except Exception as error:  # noqa: BLE001 - report every failure, go on with the rest
-                print(f"FAIL {label}: {type(error).__name__}: {str(error)[:2000]}")
-                ok = False
-                continue
-            ptx = kernel.asm["ptx"]
-            path = os.path.join(tmp, "k.ptx")
-            with open(path, "w") as f:
-                f.write(ptx)
-            info = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
-                                  capture_output=True, text=True).stderr
-            regs = re.findall(r"Used (\d+) registers", info)
-            spill = re.findall(r"(\d+) bytes spill stores", info)
-            budgets = sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
-            shared = kernel.metadata.shared
-            fits = shared <= MAX_SHARED
-            ok &= fits and bool(regs)
-            print(f"{'ok  ' if fits and regs else 'FAIL'} {label:62s} regs {regs[0] if regs else '?':>3s} "
-                  f"(setmaxnreg {'/'.join(map(str, budgets)) or '-'}) spill {spill[0] if spill else '?':>4s} B "
-                  f"smem {shared:>6d} B{'' if fits else ' > ' + str(MAX_SHARED)}  "
-                  f"warps {kernel.metadata.num_warps}  ({time.perf_counter() - start:.1f}s)")
-            if not regs:
-                print("     ptxas:", info.strip()[:500])
+        print(f"sm_{arch}: {KERNELS[arch]}, {BWD_KERNELS[arch]}; triton {triton.__version__}, {ptxas}")
+        for module, kernel_config in ((KERNELS[arch], forward_kernel), (BWD_KERNELS[arch], backward_kernel)):
+            for d, dtype, causal, window, neg in variants(quick):
+                name, constexprs, types, config = kernel_config(dtype, d, causal, window, neg)
+                fn = getattr(importlib.import_module(module), name)
+                label = f"{name} D{d} {dtype} causal={int(causal)} window={int(window)} neg_scale={int(neg)} {config}"
+                sig, attrs = _signature(fn, constexprs, *types)
+                start = time.perf_counter()
+                try:
+                    kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs),
+                                            target=GPUTarget("cuda", arch, 32),
+                                            options=dict(num_warps=NUM_WARPS, num_stages=1))
+                except Exception as error:  # noqa: BLE001 - report every failure, go on with the rest
+                    print(f"FAIL {label}: {type(error).__name__}: {str(error)[:2000]}")
+                    ok = False
+                    continue
+                ok &= _report(kernel, label, ptxas, arch, tmp, start)
     print("COMPILE PASS" if ok else "COMPILE FAIL")
     return ok
+
+
+def _report(kernel, label: str, ptxas: str, arch: int, tmp: str, start: float) -> bool:
+    """ptxas -v of the compiled kernel: prints its registers, register budgets, spills and shared memory;
+    whether it fits (ptxas ran, shared memory within MAX_SHARED)."""
+    ptx = kernel.asm["ptx"]
+    path = os.path.join(tmp, "k.ptx")
+    with open(path, "w") as f:
+        f.write(ptx)
+    info = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+                          capture_output=True, text=True).stderr
+    regs = re.findall(r"Used (\d+) registers", info)
+    spill = re.findall(r"(\d+) bytes spill stores", info)
+    budgets = sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
+    shared = kernel.metadata.shared
+    fits = shared <= MAX_SHARED and bool(regs)
+    print(f"{'ok  ' if fits else 'FAIL'} {label:78s} regs {regs[0] if regs else '?':>3s} "
+          f"(setmaxnreg {'/'.join(map(str, budgets)) or '-'}) spill {spill[0] if spill else '?':>4s} B "
+          f"smem {shared:>6d} B{'' if shared <= MAX_SHARED else ' > ' + str(MAX_SHARED)}  "
+          f"warps {kernel.metadata.num_warps}  ({time.perf_counter() - start:.1f}s)")
+    if not regs:
+        print("     ptxas:", info.strip()[:500])
+    return fits
 
 
 def main(argv=None) -> int:

@@ -346,7 +346,11 @@ def forward(q, k, v, problem: Problem):
     return out, lse, (row_max, row_sum)
 
 
-def backward(dout, q, k, v, out, lse, residuals, problem: Problem):
+def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None):
+    """dq, dk, dv. `dkv_pass`, if given, runs the dK/dV pass of the ordinary sequences in place of
+    `_dkv_kernel` (the tlx backend's kernel does): dkv_pass(q, k, v, dout, dk, dv, row_max, row_sum, delta,
+    table, problem), called after the dQ pass has stored D, with `table` the dK/dV tile table this pass would
+    have run (its sequences are the ones to do)."""
     row_max, row_sum = residuals
     device = q.device
     dq = torch.empty(q.shape, dtype=q.dtype, device=device)
@@ -395,7 +399,9 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem):
                 so_t=out.stride(0), so_h=out.stride(1), sdq_t=dq_target.stride(0), sdq_h=dq_target.stride(1),
                 n_heads=hq, BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n, DQ_PARTIAL=partial, **args)
     table = sched.host.dkv
-    if table.n_tiles:
+    if table.n_tiles and dkv_pass is not None:
+        dkv_pass(q, k, v, dout, dk, dv, row_max, row_sum, delta, table, problem)
+    elif table.n_tiles:
         n = table.n_tiles
         _launch(bwd_kernels._dkv_kernel, config.dkv, _programs(n, config.dkv, schedule, device),
                 problem, DK=dk, DV=dv, Delta=delta, tiles=sched.dkv, n_tiles=n, counter=_counter(device),
@@ -481,9 +487,9 @@ class TritonBackend:
         with _on_device(q.device):
             return forward(q, k, v, problem)
 
-    def backward(self, dout, q, k, v, out, lse, residuals, problem: Problem):
+    def backward(self, dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None):
         with _on_device(q.device):
-            return backward(dout, q, k, v, out, lse, residuals, problem)
+            return backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass)
 
 
 BACKEND = TritonBackend()
