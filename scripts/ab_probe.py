@@ -3,12 +3,13 @@
     PYTHONPATH=TREE python scripts/ab_probe.py measure TAG OUT.jsonl ROW [ROW ...]
     python scripts/ab_probe.py summary OUT.jsonl
 
-`measure` runs the `triton` op of the tree first on PYTHONPATH on jfa.bench's rows (bf16, D 128, seed 0),
-forward and forward+backward, as `python -m jfa.triton.tune` times the shipped op: do_bench ms of the op
-and the profiler's device ms of each jfa kernel over five calls; then a SHA-1 of every output and gradient.
-One JSON line per (row, pass), tagged `SIDE:ROUND` (e.g. base:1, mine:1). ROW is a bench row with options
-after colons: `causal`, `wN` (window N), `grid`/`static`/`dynamic` (the tile schedule), e.g. gem:causal,
-gem:w256, tiny:grid.
+`measure` runs the `triton` op (or, with the row option `tlx`, the `tlx` one: fbtriton must come first on
+the path) of the tree first on PYTHONPATH on jfa.bench's rows (bf16, D 128, seed 0), forward and
+forward+backward, as `python -m jfa.triton.tune` times the shipped op: do_bench ms of the op and the
+profiler's device ms of each jfa kernel (Triton's and TLX's) over five calls; then a SHA-1 of every output
+and gradient. One JSON line per (row, pass), tagged `SIDE:ROUND` (e.g. base:1, mine:1). ROW is a bench row
+with options after colons: `causal`, `wN` (window N), `grid`/`static`/`dynamic` (the Triton tile schedule),
+`tlx`, e.g. gem:causal, gem:w256, tiny:grid, long:tlx.
 
 `summary` prints per row and pass the jfa kernels' device ms of each side (mean over rounds), their ratio
 (mine / base; below 1 is faster) and whether the two sides' outputs and gradients are bitwise the same.
@@ -29,18 +30,21 @@ PASSES = (("fwd", "fwd"), ("fwd+bwd", "dq"))  # (pass, the jfa.triton.tune role 
 
 
 def row_options(spec: str) -> dict:
-    """'gem:causal:w256:grid' -> {'row': 'gem', 'causal': True, 'window': 256, 'schedule': 'grid'}."""
+    """'gem:causal:w256:grid' -> {'row': 'gem', 'causal': True, 'window': 256, 'schedule': 'grid',
+    'backend': 'triton'}."""
     row, *opts = spec.split(":")
-    parsed = dict(row=row, causal=False, window=None, schedule=None)
+    parsed = dict(row=row, causal=False, window=None, schedule=None, backend="triton")
     for opt in opts:
         if opt == "causal":
             parsed["causal"] = True
+        elif opt == "tlx":
+            parsed["backend"] = "tlx"
         elif opt in ("grid", "static", "dynamic"):
             parsed["schedule"] = opt
         elif opt.startswith("w") and opt[1:].isdigit():
             parsed["window"] = int(opt[1:])
         else:
-            raise ValueError(f"row option {opt!r} of {spec!r}: causal, wN or grid/static/dynamic")
+            raise ValueError(f"row option {opt!r} of {spec!r}: causal, wN, grid/static/dynamic or tlx")
     return parsed
 
 
@@ -56,7 +60,7 @@ def measure(tag: str, out: str, specs: list[str]) -> None:
         set_schedule(opts["schedule"])
         inputs, kwargs, _ = row_inputs(opts["row"], torch.bfloat16, 128, 0, torch.device("cuda"),
                                        causal=opts["causal"], window=opts["window"])
-        calls = tune._calls(inputs, kwargs)
+        calls = tune._calls(inputs, kwargs, opts["backend"])
         digest = hashlib.sha1()
         for t in (*calls["fwd"](), *calls["dq"]()):
             digest.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())

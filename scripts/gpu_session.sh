@@ -105,16 +105,19 @@ stage_sanitizer() {
   tail -n 40 /tmp/jfa/$name.log | tee "$OUT/$name.txt"
 }
 
-# ab BASE: the Triton kernels of BASE (a folder of the carried tree holding another revision's jfa/, e.g. made
-# with `git archive REV jfa | tar -x -C scratch/base`: the machine's git metadata may lack REV) against this
-# tree's, alternating AB_ROUNDS times on AB_ROWS (scripts/ab_probe.py says what is timed), then the summary.
+# ab BASE: the kernels of BASE (a folder of the carried tree holding another revision's jfa/, e.g. made with
+# `git archive REV jfa | tar -x -C scratch/base`: the machine's git metadata may lack REV) against this tree's,
+# alternating AB_ROUNDS times on AB_ROWS (scripts/ab_probe.py says what is timed; rows with the `tlx` option
+# time the tlx backend, and then both sides run with fbtriton first on the path), then the summary.
 stage_ab() {
-  local base=$1 round rows=${AB_ROWS:-gem long skew broadcast gem:causal gem:w256 long:causal}
+  local base=$1 round rows=${AB_ROWS:-gem long skew broadcast gem:causal gem:w256 long:causal} first=
+  [[ " $rows" == *:tlx* ]] && { with_fbtriton true; first=$FBT:; }
   : > "$OUT/ab.jsonl"
   for round in $(seq 1 "${AB_ROUNDS:-2}"); do
-    PYTHONPATH=$PWD/$base:$PWD timeout ${AB_TIMEOUT:-250} python3 scripts/ab_probe.py measure "base:$round" \
+    PYTHONPATH=$first$PWD/$base:$PWD timeout ${AB_TIMEOUT:-250} python3 scripts/ab_probe.py measure "base:$round" \
       "$OUT/ab.jsonl" $rows
-    timeout ${AB_TIMEOUT:-250} python3 scripts/ab_probe.py measure "mine:$round" "$OUT/ab.jsonl" $rows
+    PYTHONPATH=$first$PWD timeout ${AB_TIMEOUT:-250} python3 scripts/ab_probe.py measure "mine:$round" \
+      "$OUT/ab.jsonl" $rows
   done
   python3 scripts/ab_probe.py summary "$OUT/ab.jsonl" | tee "$OUT/ab.txt"
 }

@@ -15,8 +15,10 @@ _SPEC.loader.exec_module(ab_probe)
 
 
 def test_row_options():
-    assert ab_probe.row_options("gem") == dict(row="gem", causal=False, window=None, schedule=None)
-    assert ab_probe.row_options("gem:causal:w256:grid") == dict(row="gem", causal=True, window=256, schedule="grid")
+    assert ab_probe.row_options("gem") == dict(row="gem", causal=False, window=None, schedule=None, backend="triton")
+    assert ab_probe.row_options("gem:causal:w256:grid") == dict(row="gem", causal=True, window=256, schedule="grid",
+                                                                backend="triton")
+    assert ab_probe.row_options("long:tlx")["backend"] == "tlx"
     with pytest.raises(ValueError, match="row option 'x' of 'gem:x'"):
         ab_probe.row_options("gem:x")
 

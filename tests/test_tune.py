@@ -4,6 +4,7 @@ crash bookkeeping (the GPU half runs on the GPU machine only)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -48,7 +49,11 @@ def test_the_grid_shrinks_with_the_head_dim():
 
 def test_kernel_names_are_the_kernels():
     for name in tune.JFA_KERNELS:
-        assert hasattr(forward, name) or hasattr(backward, name), name
+        if name in tune.TLX_KERNELS:  # modules that import only under fbtriton: their source defines them
+            tlx_sources = [Path(forward.__file__).parents[1] / "tlx" / f for f in ("forward.py", "backward.py")]
+            assert any(f"def {name}(" in path.read_text() for path in tlx_sources), name
+        else:
+            assert hasattr(forward, name) or hasattr(backward, name), name
     assert set(tune.KERNELS) == set(tune.ROLES) == set(tune.ROLE_KERNELS) == set(tune.ROLE_ROWS)
     assert all(tune.KERNELS[role] == tune.ROLE_KERNELS[role][0] for role in tune.ROLES)
 

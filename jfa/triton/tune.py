@@ -52,7 +52,10 @@ ROLES = ("fwd", "dq", "dkv", "short_bwd", "packed_fwd", "packed_bwd")
 # The kernel each role's config drives (jfa/triton/forward.py, backward.py); broadcast-Q adds the reduction.
 KERNELS = {"fwd": "_fwd_kernel", "dq": "_dq_kernel", "dkv": "_dkv_kernel", "short_bwd": "_bwd_short_kernel",
            "packed_fwd": "_fwd_packed_kernel", "packed_bwd": "_bwd_packed_kernel"}
-JFA_KERNELS = (*KERNELS.values(), "_dq_reduce_kernel")
+# The TLX kernels (jfa.tlx.forward, jfa.tlx.backward; their modules import only under fbtriton), which
+# scripts/ab_probe.py's `tlx` rows time.
+TLX_KERNELS = ("fwd_ws_kernel", "dkv_ws_kernel")
+JFA_KERNELS = (*KERNELS.values(), "_dq_reduce_kernel", *TLX_KERNELS)
 # What a role's time sums: its kernel and, for a packed or short-query role, the ordinary kernels of its pass,
 # which take the sequences its block leaves out.
 ROLE_KERNELS = {"fwd": ("_fwd_kernel",), "dq": ("_dq_kernel",), "dkv": ("_dkv_kernel",),
@@ -257,9 +260,10 @@ def summary_lines(summary) -> list[str]:
 # Running on the GPU
 
 
-def _calls(inputs, kwargs) -> dict:
-    """Per role, the op as its kernel runs in it, returning the output tensors: the forward alone for the
-    forward kernels, forward and backward (torch.autograd.grad, as jfa.bench) otherwise."""
+def _calls(inputs, kwargs, backend: str = "triton") -> dict:
+    """Per role, the op (of `backend`; scripts/ab_probe.py also times `tlx`) as its kernel runs in it, returning
+    the output tensors: the forward alone for the forward kernels, forward and backward (torch.autograd.grad,
+    as jfa.bench) otherwise."""
     import torch
 
     import jfa
@@ -269,10 +273,10 @@ def _calls(inputs, kwargs) -> dict:
 
     def forward():
         with torch.no_grad():
-            return (jfa.attention(q, k, v, q_off, kv_off, backend="triton", **kwargs),)
+            return (jfa.attention(q, k, v, q_off, kv_off, backend=backend, **kwargs),)
 
     def forward_backward():
-        out = jfa.attention(*leaves, q_off, kv_off, backend="triton", **kwargs)
+        out = jfa.attention(*leaves, q_off, kv_off, backend=backend, **kwargs)
         return torch.autograd.grad(out, leaves, dout)
 
     return {role: forward if role in FORWARD_ROLES else forward_backward for role in ROLES}
