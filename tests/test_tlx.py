@@ -163,6 +163,11 @@ def test_key_table_covers_the_ordinary_sequences_in_128_key_tiles():
     assert {tuple(e) for e in table.entries.tolist()} == want and len(table.entries) == len(want)
     assert table.heads == 2 and on_device == {}
     assert backend.key_table(problem, triton_table, None)[0] is table
+    # The same lengths at another head dim, whose Triton backward packs other sequences: a table of its own.
+    _, problem_64 = _problem(q_lens, kv_lens, hq=4, hkv=2, d=64)
+    fewer = ts.key_tiles(q_lens, kv_lens, np.array([0, 1]), 64, 32, None, False, 2, 2)
+    table_64, _ = backend.key_table(problem_64, fewer, None)
+    assert {int(s) for s in table_64.entries[:, 0]} == {0, 1}
 
 
 # ---------------------------------------------------------------------------------------------------------

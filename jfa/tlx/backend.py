@@ -219,8 +219,9 @@ def tlx_dkv(problem: Problem) -> bool:
 
 def key_table(problem: Problem, triton_table: ts.TileTable, window) -> tuple[ts.TileTable, dict]:
     """The TLX dK/dV tile table (key tiles of BWD_BLOCK_N over the sequences of the Triton dK/dV table, the
-    ordinary ones) and its device copies by device, cached per length profile."""
-    key = (problem.lengths_key, problem.kv_heads, problem.group_size, window, problem.causal)
+    ordinary ones) and its device copies by device, cached per length profile and head dim (which sequences
+    the Triton backward packs depends on its head-dim class)."""
+    key = (problem.lengths_key, problem.kv_heads, problem.group_size, window, problem.causal, problem.head_dim)
     if key in _KEY_TABLES:
         _KEY_TABLES.move_to_end(key)
         return _KEY_TABLES[key]
