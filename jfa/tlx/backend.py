@@ -127,14 +127,30 @@ class HostPlan:
 
     def table_on(self, device: torch.device) -> torch.Tensor:
         """The tile table on `device`, copied once per plan."""
-        key = str(device)
-        if key not in self.device_tables:
-            self.device_tables[key] = torch.from_numpy(self.tiles.entries.ravel()).to(device)
-        return self.device_tables[key]
+        return _table_on(self.tiles, self.device_tables, device)
+
+
+def _table_on(tiles: ts.TileTable, copies: dict, device: torch.device) -> torch.Tensor:
+    """The int32 entries of `tiles` on `device`, copied once into `copies` (device -> tensor)."""
+    key = str(device)
+    if key not in copies:
+        copies[key] = torch.from_numpy(tiles.entries.ravel()).to(device)
+    return copies[key]
 
 
 _PLANS: OrderedDict = OrderedDict()
 _PLAN_CACHE_SIZE = 16
+
+
+def _cached(cache: OrderedDict, key, build):
+    """cache[key], built by build() on a miss; the cache keeps its _PLAN_CACHE_SIZE most recent entries."""
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    cache[key] = value = build()
+    while len(cache) > _PLAN_CACHE_SIZE:
+        cache.popitem(last=False)
+    return value
 
 
 def pack_block_for(problem: Problem) -> int:
@@ -152,18 +168,15 @@ def host_plan(problem: Problem, pack_block: int) -> HostPlan:
 
     window = None if problem.window is None else effective_window(problem)
     cfg = CONFIGS[problem.head_dim]
-    key = (problem.lengths_key, problem.q_heads, window, problem.causal, cfg, pack_block)
-    if key in _PLANS:
-        _PLANS.move_to_end(key)
-        return _PLANS[key]
-    q_lens, kv_lens = problem.q_lens.numpy(), problem.kv_lens.numpy()
-    main, tiny = ts.split_packable(q_lens, kv_lens, pack_block)
-    tiles = ts.query_tiles(q_lens, kv_lens, main, cfg.block_m, cfg.block_n, window, problem.causal, problem.q_heads)
-    plan = HostPlan(path, reason, tiles, tiny)
-    _PLANS[key] = plan
-    while len(_PLANS) > _PLAN_CACHE_SIZE:
-        _PLANS.popitem(last=False)
-    return plan
+
+    def build() -> HostPlan:
+        q_lens, kv_lens = problem.q_lens.numpy(), problem.kv_lens.numpy()
+        main, tiny = ts.split_packable(q_lens, kv_lens, pack_block)
+        tiles = ts.query_tiles(q_lens, kv_lens, main, cfg.block_m, cfg.block_n, window, problem.causal,
+                               problem.q_heads)
+        return HostPlan(path, reason, tiles, tiny)
+
+    return _cached(_PLANS, (problem.lengths_key, problem.q_heads, window, problem.causal, cfg, pack_block), build)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -221,17 +234,13 @@ def key_table(problem: Problem, triton_table: ts.TileTable, window) -> tuple[ts.
     """The TLX dK/dV tile table (key tiles of BWD_BLOCK_N over the sequences of the Triton dK/dV table, the
     ordinary ones) and its device copies by device, cached per length profile and head dim (which sequences
     the Triton backward packs depends on its head-dim class)."""
+    def build() -> tuple[ts.TileTable, dict]:
+        seqs = np.unique(triton_table.entries[:, 0])
+        return ts.key_tiles(problem.q_lens.numpy(), problem.kv_lens.numpy(), seqs, BWD_BLOCK_N, BWD_BLOCK_M, window,
+                            problem.causal, problem.kv_heads, problem.group_size), {}
+
     key = (problem.lengths_key, problem.kv_heads, problem.group_size, window, problem.causal, problem.head_dim)
-    if key in _KEY_TABLES:
-        _KEY_TABLES.move_to_end(key)
-        return _KEY_TABLES[key]
-    seqs = np.unique(triton_table.entries[:, 0])
-    table = ts.key_tiles(problem.q_lens.numpy(), problem.kv_lens.numpy(), seqs, BWD_BLOCK_N, BWD_BLOCK_M, window,
-                         problem.causal, problem.kv_heads, problem.group_size)
-    _KEY_TABLES[key] = (table, {})
-    while len(_KEY_TABLES) > _PLAN_CACHE_SIZE:
-        _KEY_TABLES.popitem(last=False)
-    return _KEY_TABLES[key]
+    return _cached(_KEY_TABLES, key, build)
 
 
 def _statistics_descriptor(x: torch.Tensor):
@@ -253,10 +262,8 @@ def _launch_dkv(q, k, v, dout, dk, dv, row_max, row_sum, delta, triton_table, pr
     from jfa.triton.backend import LOG2E, MIN_SCALE_LOG2, effective_window
 
     device = q.device
-    window = None if problem.window is None else effective_window(problem)
-    table, on_device = key_table(problem, triton_table, window)
-    if str(device) not in on_device:
-        on_device[str(device)] = torch.from_numpy(table.entries.ravel()).to(device)
+    window = effective_window(problem)  # 0 without one
+    table, copies = key_table(problem, triton_table, None if problem.window is None else window)
     kernel = importlib.import_module(BWD_KERNELS[_arch(device)]).dkv_ws_kernel
     desc_q, sq_h = _descriptor(q, BWD_BLOCK_M)
     desc_do, sdo_h = _descriptor(dout, BWD_BLOCK_M)
@@ -269,10 +276,10 @@ def _launch_dkv(q, k, v, dout, dk, dv, row_max, row_sum, delta, triton_table, pr
     scale = problem.sm_scale
     kernel[(programs,)](
         desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, dk, dv,
-        on_device[str(device)], n_tiles, problem.q_offsets, problem.out_offsets, problem.kv_offsets,
+        _table_on(table, copies, device), n_tiles, problem.q_offsets, problem.out_offsets, problem.kv_offsets,
         sq_h, sdo_h, sk_h, sv_h, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), row_max.stride(0),
-        q.shape[0], dout.shape[0], k.shape[0], max(abs(scale) * LOG2E, MIN_SCALE_LOG2), scale,
-        effective_window(problem), problem.kv_heads, problem.group_size,
+        q.shape[0], dout.shape[0], k.shape[0], max(abs(scale) * LOG2E, MIN_SCALE_LOG2), scale, window,
+        problem.kv_heads, problem.group_size,
         HEAD_DIM=problem.head_dim, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, BUFFERS=BWD_BUFFERS,
         NEG_SCALE=scale < 0, HAS_WINDOW=problem.window is not None, CAUSAL=problem.causal, num_warps=NUM_WARPS,
         num_stages=1,
