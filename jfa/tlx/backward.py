@@ -160,7 +160,7 @@ def _accumulate_tiles(q_tiles, do_tiles, k_tiles, v_tiles, m_tiles, l_tiles, del
                 # The rule and the row mask on every block (a few integer compares per element; the blocks
                 # inside the sequence's fully visible range pass them all). Rows past the sequence read another
                 # sequence's statistics or TMA's zeros: their scores are -inf here, so their Pᵀ is 0 whatever m
-                # and l say.
+                # and l say (the forward wrote m and l of every row).
                 seen = visible(rows[None, :], keys[:, None], q_len, kv_len, window, HAS_WINDOW, CAUSAL)
                 s_raw = tl.where(seen & row_ok[None, :], raw_scores(st, NEG_SCALE), float("-inf"))
                 m_b, inv_b = backward_row_stats(tlx.local_gather(m_tiles[slot], stat_at, 0),
@@ -168,7 +168,10 @@ def _accumulate_tiles(q_tiles, do_tiles, k_tiles, v_tiles, m_tiles, l_tiles, del
                 pt = shifted_exp2((s_raw - m_b[None, :]) * scale_log2) * inv_b[None, :]
                 dv = tlx.async_dot(pt.to(DT), do_tiles[slot], dv)  # runs during dSᵀ
                 dpt = tlx.async_dot_wait(1, dpt)
-                dst = pt * (dpt - tlx.local_gather(delta_tiles[slot], stat_at, 0)[None, :])
+                # D of rows past the sequence may never have been written (a packed sequence's rows, whose D
+                # stays in the packed kernel): 0 there, since 0 · NaN would poison dk.
+                delta = tl.where(row_ok, tlx.local_gather(delta_tiles[slot], stat_at, 0), 0.0)
+                dst = pt * (dpt - delta[None, :])
                 dk = tlx.async_dot(dst.to(DT), q_tiles[slot], dk)
                 dv = tlx.async_dot_wait(0, dv)
                 dk = tlx.async_dot_wait(0, dk)
