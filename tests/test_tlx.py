@@ -82,11 +82,14 @@ def test_unavailable_reasons(monkeypatch):
     assert "TRITON_INTERPRET" in backend.BACKEND.unavailable(torch.device("cuda"))
 
 
-@pytest.mark.parametrize("dims,tlx_pass", [((128, 128), True), ((64, 64), True), ((96, 96), False),
-                                            ((128, 64), False), ((256, 256), False)])
-def test_backward_is_the_triton_backward_with_the_tlx_dkv_pass(monkeypatch, dims, tlx_pass):
+@pytest.mark.parametrize("dims,kv_rows,broadcast_q,dkv,dq", [
+    ((128, 128), 5, False, True, True), ((64, 64), 5, False, True, True), ((128, 128), 0, False, True, False),
+    ((128, 128), 5, True, True, False), ((96, 96), 5, False, False, False), ((128, 64), 5, False, False, False),
+    ((256, 256), 5, False, False, False)])
+def test_backward_is_the_triton_backward_with_the_tlx_passes(monkeypatch, dims, kv_rows, broadcast_q, dkv, dq):
     """The tlx backward is the Triton backend's, given the TLX dK/dV pass exactly where the TLX kernels cover
-    the head dims (D = Dv in CONFIGS)."""
+    the head dims (D = Dv in CONFIGS) and the TLX dQ pass where, besides, there are key rows (a TMA descriptor
+    needs one) and no broadcast_q."""
     from types import SimpleNamespace
 
     from jfa.tlx import backend
@@ -95,10 +98,11 @@ def test_backward_is_the_triton_backward_with_the_tlx_dkv_pass(monkeypatch, dims
     seen = []
     monkeypatch.setattr(triton_backend.BACKEND, "backward",
                         lambda *args, **kwargs: seen.append((args, kwargs)) or "grads")
-    problem = SimpleNamespace(head_dim=dims[0], head_dim_v=dims[1])
+    problem = SimpleNamespace(head_dim=dims[0], head_dim_v=dims[1], kv_rows=kv_rows, broadcast_q=broadcast_q)
     args = ("dout", "q", "k", "v", "out", "lse", ("m", "l"), problem)
     assert backend.BACKEND.backward(*args) == "grads"
-    assert seen == [(args, {"dkv_pass": backend._launch_dkv if tlx_pass else None})]
+    assert seen == [(args, {"dkv_pass": backend._launch_dkv if dkv else None,
+                            "dq_pass": backend._launch_dq if dq else None})]
 
 
 def test_triton_backward_runs_a_given_dkv_pass_instead_of_its_kernel():
@@ -148,6 +152,44 @@ def test_triton_backward_runs_a_given_dkv_pass_instead_of_its_kernel():
     assert torch.equal(got[0], want[0])
     assert (got[1] == 7).all() and (got[2] == -7).all()
     assert not (want[1] == 7).all()
+
+
+def test_triton_backward_runs_a_given_dq_pass_instead_of_its_kernel():
+    """With `dq_pass` (and no broadcast_q) the Triton backward leaves dq and D of the ordinary sequences to it:
+    called once with the dQ tile table and the dq output, before the dK/dV pass, which reads the D it stored."""
+    reason = interpreter_unavailable()
+    if reason:
+        pytest.skip(reason)
+    from jfa.tlx.backend import rows_of
+    from jfa.triton import backend as triton_backend
+
+    q_lens, kv_lens = [150, 70, 0, 90, 20], [120, 80, 30, 0, 20]
+    (q, k, v), problem = _problem(q_lens, kv_lens, hq=4, hkv=2, d=16)
+    triton_backend.set_config(triton_backend.SMALL_BLOCKS)
+    try:
+        out, lse, residuals = triton_backend.BACKEND.forward(q, k, v, problem)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+        want = triton_backend.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem)
+        table = triton_backend.device_schedule(problem, triton_backend.SMALL_BLOCKS).host.dq
+        rows = torch.from_numpy(rows_of(problem.out_offsets_host.numpy(), np.asarray(q_lens),
+                                        np.unique(table.entries[:, 0])))
+        calls = []
+
+        def dq_pass(*args):
+            calls.append(args)
+            dq, delta = args[5], args[8]
+            dq[rows] = 3.0
+            delta[:, rows] = (dout.float() * out.float()).sum(-1).T[:, rows]
+
+        got = triton_backend.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem, dq_pass=dq_pass)
+    finally:
+        triton_backend.set_config(None)
+    assert len(calls) == 1 and calls[0][9] is table and calls[0][10] is problem and calls[0][5] is got[0]
+    other = torch.ones(got[0].shape[0], dtype=torch.bool)
+    other[rows] = False
+    assert (got[0][rows] == 3).all() and torch.equal(got[0][other], want[0][other])
+    for g, w in zip(got[1:], want[1:], strict=True):  # dK/dV from the hook's D (torch's sum: a few ulps off)
+        torch.testing.assert_close(g.float(), w.float(), rtol=2**-6, atol=2**-6)
 
 
 def test_key_table_covers_the_ordinary_sequences_in_128_key_tiles():
@@ -248,11 +290,15 @@ def test_config_reports_the_path():
 
     _, problem = _problem([300, 20, 0], [250, 20, 3], causal=True)
     info = BACKEND.config(problem)
-    assert info["path"] == "tlx" and info["backward"] == "triton, dK/dV pass by TLX"
+    assert info["path"] == "tlx" and info["backward"] == "TLX dQ and dK/dV passes, Triton for tiny sequences"
     assert info["schedule"] == "static zigzag"
     assert info["block_m"] == 128 and info["tiles"] == 3 * 4 and info["triton_sequences"] == 2
     other = BACKEND.config(_problem([30], [30], d=80)[1])
     assert other["path"] == "triton" and other["backward"] == "triton"
+    broadcast = BACKEND.config(_problem([300, 300], [250, 20], broadcast_q=True)[1])
+    assert broadcast["backward"] == "triton, dK/dV pass by TLX"
+    no_keys = BACKEND.config(_problem([300, 20], [0, 0])[1])
+    assert no_keys["path"] == "fill" and no_keys["backward"] == "triton, dK/dV pass by TLX"
 
 
 # ---------------------------------------------------------------------------------------------------------

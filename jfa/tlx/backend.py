@@ -1,5 +1,5 @@
-"""The TLX backend (`jfa.tlx.backend:BACKEND`): warp-specialised Hopper forward and dK/dV kernels, the rest of
-the backward Triton's.
+"""The TLX backend (`jfa.tlx.backend:BACKEND`): warp-specialised Hopper forward, dQ and dK/dV kernels; Triton
+for what they do not cover.
 
 Paths (`BACKEND.config(problem)["path"]` names the one a call takes; the verify suite records it):
 - "tlx": the kernel of `jfa.tlx.forward` (TMA producer, two ping-pong wgmma consumers, persistent over a
@@ -13,12 +13,14 @@ Paths (`BACKEND.config(problem)["path"]` names the one a call takes; the verify 
 - "none": no query rows (B = 0 or all q lengths 0): empty outputs, nothing is launched.
 bf16 and fp16 both take the TLX path.
 
-Backward: `jfa.triton.backend.BACKEND.backward` (D and dq in its dQ pass, short-query and packed sequences),
-its dK/dV pass over the ordinary sequences replaced by the kernel of `jfa.tlx.backward` where the head dims
-are the TLX forward's (D = Dv in {64, 128}; `tlx_dkv`): deterministic, and bitwise the Triton dK/dV pass's
-gradients (the same products added in the same order). The TLX forward returns the residuals the backward
-reads, exactly as the Triton forward does: the raw row max m and the row sum l ([Hq, rows] fp32 each,
-`jfa.softmax`), from which it recomputes P robustly.
+Backward (`config()["backward"]` says which): `jfa.triton.backend.BACKEND.backward` (short-query and packed
+sequences in its own kernels), its dQ and dK/dV passes over the ordinary sequences replaced by the kernels of
+`jfa.tlx.backward` where the head dims are the TLX forward's (D = Dv in {64, 128}; `tlx_dkv`), the dQ pass
+only with key rows and without broadcast_q (`tlx_dq`; broadcast_q's dQ is the Triton reduction over
+sequences). Deterministic, and bitwise the Triton passes' gradients (the same products added in the same
+order; checked on jfa.bench's gem, long and skew rows on the H200). The TLX forward returns the residuals the
+backward reads, exactly as the Triton forward does: the raw row max m and the row sum l ([Hq, rows] fp32
+each, `jfa.softmax`), from which it recomputes P robustly.
 
 Availability: fbtriton (Triton with TLX) importable, a CUDA device, and a kernel for its architecture in
 `KERNELS` (sm_90 today; a Blackwell kernel slots in as another entry). `triton.language.extra.tlx` is
@@ -47,7 +49,7 @@ from jfa.problem import Problem
 
 # Compute capability (major·10 + minor) -> module holding that architecture's `fwd_ws_kernel`.
 KERNELS = {90: "jfa.tlx.forward"}
-BWD_KERNELS = {90: "jfa.tlx.backward"}  # ... and the one holding its `dkv_ws_kernel`
+BWD_KERNELS = {90: "jfa.tlx.backward"}  # ... and the one holding its `dq_ws_kernel` and `dkv_ws_kernel`
 
 
 @dataclass(frozen=True)
@@ -230,6 +232,20 @@ def tlx_dkv(problem: Problem) -> bool:
     return problem.head_dim == problem.head_dim_v and problem.head_dim in CONFIGS
 
 
+def tlx_dq(problem: Problem) -> bool:
+    """Whether the TLX dQ pass runs: the head dims of the dK/dV pass, at least one key row (a TMA descriptor
+    needs one; without keys the Triton pass writes dq = 0 and D without reading any), and no broadcast_q (its
+    dq is a reduction over sequences, the Triton pass's)."""
+    return tlx_dkv(problem) and problem.kv_rows > 0 and not problem.broadcast_q
+
+
+def backward_route(problem: Problem) -> str:
+    """Which passes of the backward are TLX kernels (`config()["backward"]`)."""
+    if tlx_dq(problem):
+        return "TLX dQ and dK/dV passes, Triton for tiny sequences"
+    return "triton, dK/dV pass by TLX" if tlx_dkv(problem) else "triton"
+
+
 def key_table(problem: Problem, triton_table: ts.TileTable, window) -> tuple[ts.TileTable, dict]:
     """The TLX dK/dV tile table (key tiles of BWD_BLOCK_N over the sequences of the Triton dK/dV table, the
     ordinary ones) and its device copies by device, cached per length profile and head dim (which sequences
@@ -241,6 +257,52 @@ def key_table(problem: Problem, triton_table: ts.TileTable, window) -> tuple[ts.
 
     key = (problem.lengths_key, problem.kv_heads, problem.group_size, window, problem.causal, problem.head_dim)
     return _cached(_KEY_TABLES, key, build)
+
+
+# The dQ pass: query rows per tile (two consumer halves of 64), keys per block, ring depths.
+DQ_BLOCK_M, DQ_BLOCK_N, DQ_Q_BUFFERS, DQ_KV_BUFFERS = 128, 64, 2, 2
+_QUERY_TABLES: OrderedDict = OrderedDict()
+
+
+def query_table(problem: Problem, triton_table: ts.TileTable, window) -> tuple[ts.TileTable, dict]:
+    """The TLX dQ tile table (query tiles of DQ_BLOCK_M over the sequences of the Triton dQ table) and its
+    device copies by device, cached per length profile and head dim (as `key_table`)."""
+    def build() -> tuple[ts.TileTable, dict]:
+        seqs = np.unique(triton_table.entries[:, 0])
+        return ts.query_tiles(problem.q_lens.numpy(), problem.kv_lens.numpy(), seqs, DQ_BLOCK_M, DQ_BLOCK_N, window,
+                              problem.causal, problem.q_heads), {}
+
+    key = (problem.lengths_key, problem.q_heads, window, problem.causal, problem.head_dim)
+    return _cached(_QUERY_TABLES, key, build)
+
+
+def _launch_dq(q, k, v, out, dout, dq, row_max, row_sum, delta, triton_table, problem: Problem) -> None:
+    """The TLX dQ pass (`jfa.tlx.backward.dq_ws_kernel`) over the sequences of the Triton dQ tile table: dq
+    and D (stored in `delta` for the dK/dV pass)."""
+    from jfa.triton.backend import LOG2E, MIN_SCALE_LOG2, effective_window
+
+    device = q.device
+    window = effective_window(problem)  # 0 without one
+    table, copies = query_table(problem, triton_table, None if problem.window is None else window)
+    kernel = importlib.import_module(BWD_KERNELS[_arch(device)]).dq_ws_kernel
+    desc_q, sq_h = _descriptor(q, DQ_BLOCK_M // 2)
+    desc_do, sdo_h = _descriptor(dout, DQ_BLOCK_M // 2)
+    desc_k, sk_h = _descriptor(k, DQ_BLOCK_N)
+    desc_v, sv_h = _descriptor(v, DQ_BLOCK_N)
+    n_tiles = table.n_tiles
+    problem.confirm()
+    programs = min(n_tiles, torch.cuda.get_device_properties(device).multi_processor_count)
+    scale = problem.sm_scale
+    kernel[(programs,)](
+        desc_q, desc_do, desc_k, desc_v, out, dq, row_max, row_sum, delta,
+        _table_on(table, copies, device), n_tiles, problem.q_offsets, problem.out_offsets, problem.kv_offsets,
+        sq_h, sdo_h, sk_h, sv_h, out.stride(0), out.stride(1), dq.stride(0), dq.stride(1), row_max.stride(0),
+        q.shape[0], dout.shape[0], k.shape[0], max(abs(scale) * LOG2E, MIN_SCALE_LOG2), scale, window,
+        problem.q_heads, problem.group_size,
+        HEAD_DIM=problem.head_dim, BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, Q_BUFFERS=DQ_Q_BUFFERS,
+        KV_BUFFERS=DQ_KV_BUFFERS, NEG_SCALE=scale < 0, HAS_WINDOW=problem.window is not None, CAUSAL=problem.causal,
+        num_warps=NUM_WARPS, num_stages=1,
+    )
 
 
 def _statistics_descriptor(x: torch.Tensor):
@@ -321,8 +383,8 @@ class TlxBackend:
     name = "tlx"
     speculative = True  # _launch_tlx, _forward_tiny and the Triton launches confirm the problem first
     description = ("TLX warp-specialised Hopper forward (TMA producer, ping-pong wgmma consumers, persistent "
-                   "zigzag tiles) and dK/dV pass for D = Dv in {64, 128}; Triton forward otherwise and for tiny "
-                   "sequences; the rest of the backward Triton's")
+                   "zigzag tiles) and dQ and dK/dV passes for D = Dv in {64, 128}; Triton forward and backward "
+                   "otherwise and for tiny sequences, and broadcast-Q's dQ")
 
     def unavailable(self, device: torch.device) -> str | None:
         missing = tlx_missing()
@@ -342,8 +404,7 @@ class TlxBackend:
     def config(self, problem: Problem) -> dict:
         """Which path a call takes and why; for the TLX path its kernel config and tile counts."""
         plan = host_plan(problem, pack_block_for(problem))
-        info = {"path": plan.path, "reason": plan.reason,
-                "backward": "triton, dK/dV pass by TLX" if tlx_dkv(problem) else "triton"}
+        info = {"path": plan.path, "reason": plan.reason, "backward": backward_route(problem)}
         if plan.path == "tlx":
             info.update(asdict(CONFIGS[problem.head_dim]), schedule="static zigzag", tiles=plan.tiles.n_tiles,
                         triton_sequences=int(plan.tiny.size))
@@ -371,12 +432,13 @@ class TlxBackend:
         return out, lse, (row_max, row_sum)
 
     def backward(self, dout, q, k, v, out, lse, residuals, problem: Problem):
-        """The Triton backend's backward (residuals m and l are those the Triton forward writes), its dK/dV
-        pass replaced by the TLX kernel where that covers the head dims."""
+        """The Triton backend's backward (residuals m and l are those the Triton forward writes), its dQ and
+        dK/dV passes replaced by the TLX kernels where those cover the problem (`tlx_dq`, `tlx_dkv`)."""
         from jfa.triton.backend import BACKEND as TRITON
 
-        dkv_pass = _launch_dkv if tlx_dkv(problem) else None
-        return TRITON.backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass=dkv_pass)
+        return TRITON.backward(dout, q, k, v, out, lse, residuals, problem,
+                               dkv_pass=_launch_dkv if tlx_dkv(problem) else None,
+                               dq_pass=_launch_dq if tlx_dq(problem) else None)
 
 
 BACKEND = TlxBackend()

@@ -1,11 +1,12 @@
-"""TLX warp-specialised dK/dV pass for Hopper (sm_90): a TMA producer and two wgmma consumers.
+"""TLX warp-specialised backward passes for Hopper (sm_90), each a TMA producer and two wgmma consumers: dK/dV
+(`dkv_ws_kernel`) and, at the end of this module, dQ with D (`dq_ws_kernel`).
 
 Imported only when fbtriton (Triton with TLX) is installed: `jfa.tlx.backend` imports it lazily. The rest of
-the backward (D and dq in the dQ pass, short-query and packed sequences) stays with the Triton kernels, which
-run first: this pass reads the D = rowsum(dO∘O) the dQ pass stores. Nothing is accumulated with atomics, so
+the backward (short-query and packed sequences, broadcast_q's dQ) stays with the Triton kernels. The dQ pass
+runs first: the dK/dV pass reads the D = rowsum(dO∘O) it stores. Nothing is accumulated with atomics, so
 every gradient is deterministic and batch invariant, as with the Triton backward; and since both add the same
-16-row products of each key's dk and dv in the same order, the gradients are bitwise those of the Triton
-dK/dV kernel (checked on jfa.bench's gem, long and skew rows on the H200).
+products to each key's dk and dv (and each row's dq) in the same order, the gradients are bitwise those of the
+Triton kernels (checked on jfa.bench's gem, long and skew rows on the H200).
 
 Tile = (sequence, BLOCK_N = 128 keys, key/value head), from `jfa.tile_scheduler.key_tiles` (sorted by the
 query blocks that see the keys); persistent over the static zigzag dealing of `jfa.tlx.forward`.
@@ -54,7 +55,7 @@ import triton.language.extra.tlx as tlx
 from jfa.block_info import q_block_range
 from jfa.mask import visible
 from jfa.softmax import backward_row_stats, raw_scores, shifted_exp2
-from jfa.tlx.forward import _rounds, _tile_round
+from jfa.tlx.forward import _rounds, _tile, _tile_round
 from jfa.triton.forward import sequence_bounds
 
 # Per consumer thread: the dk and dv accumulators alone take 128 (64 keys × D 128 × 2 in fp32 over 128
@@ -221,3 +222,143 @@ def dkv_ws_kernel(
                               sdk_h, sdv_t, sdv_h, stat_h, scale_log2, sm_scale, window, n_kv_heads, group,
                               tlx.async_task_replica_id(), HEAD_DIM, BLOCK_M, BLOCK_N, BUFFERS, NEG_SCALE,
                               HAS_WINDOW, CAUSAL)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The dQ pass (and D): query tiles, as the forward's. Tile = (sequence, BLOCK_M = 128 query rows, query head)
+# from `jfa.tile_scheduler.query_tiles`; consumer c owns rows [c·64, c·64 + 64): at the tile's start D from O
+# (global) and dO (shared), stored for the dK/dV pass; per key block S = Q·Kᵀ and dP = dO·Vᵀ issued together,
+# P while dP runs, dS = P∘(dP - D), dq += dS·K (dS from registers); dq (times the scale) stored once. Barriers
+# as in `jfa.tlx.forward` (q_full/q_empty per consumer and slot, k/v full and empty per ring slot, the empties
+# taking both consumers' arrivals; V is released once dP retires, K once dq's product does).
+
+
+@triton.jit
+def _load_query_tiles(desc_q, desc_do, desc_k, desc_v, q_tiles, do_tiles, k_tiles, v_tiles, q_full, q_empty, k_full,
+                      k_empty, v_full, v_empty, tiles, n_tiles, q_offsets, out_offsets, kv_offsets, sq_h, sdo_h, sk_h,
+                      sv_h, q_rows, out_rows, kv_rows, window, n_heads, group, HEAD_DIM: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_BUFFERS: tl.constexpr,
+                      KV_BUFFERS: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
+    """The dQ pass's producer: per tile the two 64-row halves of Q and dO (one per consumer), then the K and V
+    blocks of every key block the rows see (`jfa.tlx.forward._tile`: at least one, masked, per tile)."""
+    HALF: tl.constexpr = BLOCK_M // 2
+    ELEM: tl.constexpr = tlx.size_of(tlx.dtype_of(desc_q))
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    kv_count = 0
+    for r in range(0, _rounds(pid, nprog, n_tiles)):
+        head, m0, q_start, out_start, q_len, kv_start, kv_len, lo, _, _, hi = _tile(
+            tiles, _tile_round(r, pid, nprog), n_heads, q_offsets, out_offsets, kv_offsets, window, BLOCK_M,
+            BLOCK_N, HAS_WINDOW, CAUSAL)
+        q_slot = (r % Q_BUFFERS) * 2
+        for c in tl.static_range(2):
+            tlx.barrier_wait(q_empty[q_slot + c], ((r // Q_BUFFERS) & 1) ^ 1)
+            tlx.barrier_expect_bytes(q_full[q_slot + c], 2 * ELEM * HALF * HEAD_DIM)
+            q_row = tl.minimum(q_start + m0 + c * HALF, q_rows - 1)  # clamped as in the forward
+            tlx.async_descriptor_load(desc_q, q_tiles[q_slot + c], [q_row, head * sq_h], q_full[q_slot + c])
+            tlx.async_descriptor_load(desc_do, do_tiles[q_slot + c],
+                                      [tl.minimum(out_start + m0 + c * HALF, out_rows - 1), head * sdo_h],
+                                      q_full[q_slot + c])
+        kv_head = head // group
+        for n in range(lo, hi, BLOCK_N):
+            slot = kv_count % KV_BUFFERS
+            phase = (kv_count // KV_BUFFERS) & 1
+            row = tl.minimum(kv_start + n, kv_rows - 1)
+            tlx.barrier_wait(k_empty[slot], phase ^ 1)
+            tlx.barrier_expect_bytes(k_full[slot], ELEM * BLOCK_N * HEAD_DIM)
+            tlx.async_descriptor_load(desc_k, k_tiles[slot], [row, kv_head * sk_h], k_full[slot])
+            tlx.barrier_wait(v_empty[slot], phase ^ 1)
+            tlx.barrier_expect_bytes(v_full[slot], ELEM * BLOCK_N * HEAD_DIM)
+            tlx.async_descriptor_load(desc_v, v_tiles[slot], [row, kv_head * sv_h], v_full[slot])
+            kv_count += 1
+
+
+@triton.jit
+def _dq_tiles(q_tiles, do_tiles, k_tiles, v_tiles, q_full, q_empty, k_full, k_empty, v_full, v_empty, Out, DQ, RowMax,
+              RowSum, Delta, tiles, n_tiles, q_offsets, out_offsets, kv_offsets, so_t, so_h, sdq_t, sdq_h, stat_h,
+              scale_log2, sm_scale, window, n_heads, cid: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_BUFFERS: tl.constexpr, KV_BUFFERS: tl.constexpr,
+              NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
+    """Consumer `cid`: D and dq of query rows [cid·64, cid·64 + 64) of every tile of this program."""
+    HALF: tl.constexpr = BLOCK_M // 2
+    DT: tl.constexpr = DQ.dtype.element_ty
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv_count = 0
+    for r in range(0, _rounds(pid, nprog, n_tiles)):
+        head, m0, q_start, out_start, q_len, kv_start, kv_len, lo, _, _, hi = _tile(
+            tiles, _tile_round(r, pid, nprog), n_heads, q_offsets, out_offsets, kv_offsets, window, BLOCK_M,
+            BLOCK_N, HAS_WINDOW, CAUSAL)
+        rows = m0 + cid * HALF + tl.arange(0, HALF)
+        row_ok = rows < q_len
+        stat = tl.cast(head, tl.int64) * stat_h + out_start + rows
+        m_b, inv_b = backward_row_stats(tl.load(RowMax + stat, mask=row_ok, other=0.0),
+                                        tl.load(RowSum + stat, mask=row_ok, other=0.0))
+        o_rows = tl.cast(out_start + rows, tl.int64) * so_t + tl.cast(head, tl.int64) * so_h
+        o = tl.load(Out + o_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        q_slot = (r % Q_BUFFERS) * 2 + cid
+        tlx.barrier_wait(q_full[q_slot], (r // Q_BUFFERS) & 1)
+        q_tile = q_tiles[q_slot]
+        do_tile = do_tiles[q_slot]
+        # D = rowsum(dO∘O) from the rounded output, stored for the dK/dV pass (as the Triton dQ pass does).
+        delta = tl.sum(tlx.local_load(do_tile).to(tl.float32) * o.to(tl.float32), 1)
+        tl.store(Delta + stat, delta, mask=row_ok)
+        dq = tl.zeros([HALF, HEAD_DIM], dtype=tl.float32)
+        for n in range(lo, hi, BLOCK_N):
+            slot = kv_count % KV_BUFFERS
+            phase = (kv_count // KV_BUFFERS) & 1
+            tlx.barrier_wait(k_full[slot], phase)
+            tlx.barrier_wait(v_full[slot], phase)
+            s = tlx.async_dot(q_tile, tlx.local_trans(k_tiles[slot]))  # S [HALF, BLOCK_N]
+            dp = tlx.async_dot(do_tile, tlx.local_trans(v_tiles[slot]))  # dP, runs during the exponents
+            s = tlx.async_dot_wait(1, s)
+            keys = n + tl.arange(0, BLOCK_N)
+            seen = visible(rows[:, None], keys[None, :], q_len, kv_len, window, HAS_WINDOW, CAUSAL)
+            s_raw = tl.where(seen & row_ok[:, None], raw_scores(s, NEG_SCALE), float("-inf"))
+            p = shifted_exp2((s_raw - m_b[:, None]) * scale_log2) * inv_b[:, None]
+            dp = tlx.async_dot_wait(0, dp)
+            tlx.barrier_arrive(v_empty[slot], 1)
+            dq = tlx.async_dot((p * (dp - delta[:, None])).to(DT), k_tiles[slot], dq)
+            dq = tlx.async_dot_wait(0, dq)
+            tlx.barrier_arrive(k_empty[slot], 1)
+            kv_count += 1
+        tlx.barrier_arrive(q_empty[q_slot], 1)  # every MMA reading this tile's Q and dO has retired
+        dq_rows = tl.cast(q_start + rows, tl.int64) * sdq_t + tl.cast(head, tl.int64) * sdq_h
+        tl.store(DQ + dq_rows[:, None] + offs_d[None, :], (dq * sm_scale).to(DT), mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["n_tiles", "n_heads", "group", "window", "stat_h", "q_rows", "out_rows", "kv_rows"])
+def dq_ws_kernel(
+    desc_q, desc_do, desc_k, desc_v, Out, DQ, RowMax, RowSum, Delta,
+    tiles, n_tiles, q_offsets, out_offsets, kv_offsets,
+    sq_h, sdo_h, sk_h, sv_h, so_t, so_h, sdq_t, sdq_h, stat_h, q_rows, out_rows, kv_rows,
+    scale_log2, sm_scale, window, n_heads, group,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_BUFFERS: tl.constexpr,
+    KV_BUFFERS: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Persistent warp-specialised dQ pass (and D) over the query tiles of `tiles` (int32 [n_entries, 2]:
+    sequence, m0)."""
+    HALF: tl.constexpr = BLOCK_M // 2
+    DT: tl.constexpr = tlx.dtype_of(desc_q)
+    q_tiles = tlx.local_alloc((HALF, HEAD_DIM), DT, 2 * Q_BUFFERS)  # slot s of consumer c: 2s + c
+    do_tiles = tlx.local_alloc((HALF, HEAD_DIM), DT, 2 * Q_BUFFERS)
+    k_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), DT, KV_BUFFERS)
+    v_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), DT, KV_BUFFERS)
+    q_full = tlx.alloc_barriers(num_barriers=2 * Q_BUFFERS, arrive_count=1)
+    q_empty = tlx.alloc_barriers(num_barriers=2 * Q_BUFFERS, arrive_count=1)
+    k_full = tlx.alloc_barriers(num_barriers=KV_BUFFERS, arrive_count=1)
+    k_empty = tlx.alloc_barriers(num_barriers=KV_BUFFERS, arrive_count=2)
+    v_full = tlx.alloc_barriers(num_barriers=KV_BUFFERS, arrive_count=1)
+    v_empty = tlx.alloc_barriers(num_barriers=KV_BUFFERS, arrive_count=2)
+    with tlx.async_tasks():
+        with tlx.async_task("default"):
+            _load_query_tiles(desc_q, desc_do, desc_k, desc_v, q_tiles, do_tiles, k_tiles, v_tiles, q_full, q_empty,
+                              k_full, k_empty, v_full, v_empty, tiles, n_tiles, q_offsets, out_offsets, kv_offsets,
+                              sq_h, sdo_h, sk_h, sv_h, q_rows, out_rows, kv_rows, window, n_heads, group, HEAD_DIM,
+                              BLOCK_M, BLOCK_N, Q_BUFFERS, KV_BUFFERS, HAS_WINDOW, CAUSAL)
+        with tlx.async_task(num_warps=4, registers=CONSUMER_REGISTERS, replicate=2):
+            _dq_tiles(q_tiles, do_tiles, k_tiles, v_tiles, q_full, q_empty, k_full, k_empty, v_full, v_empty, Out, DQ,
+                      RowMax, RowSum, Delta, tiles, n_tiles, q_offsets, out_offsets, kv_offsets, so_t, so_h, sdq_t,
+                      sdq_h, stat_h, scale_log2, sm_scale, window, n_heads, tlx.async_task_replica_id(), HEAD_DIM,
+                      BLOCK_M, BLOCK_N, Q_BUFFERS, KV_BUFFERS, NEG_SCALE, HAS_WINDOW, CAUSAL)

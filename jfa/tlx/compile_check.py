@@ -68,6 +68,20 @@ def backward_kernel(dtype: str, d: int, causal: bool, window: bool, neg: bool):
     return "dkv_ws_kernel", constexprs, types, f"buf={BWD_BUFFERS}"
 
 
+def dq_kernel(dtype: str, d: int, causal: bool, window: bool, neg: bool):
+    """(kernel name, constexprs, signature arguments, label) of a `dq_ws_kernel` configuration."""
+    from jfa.tlx.backend import DQ_BLOCK_M, DQ_BLOCK_N, DQ_KV_BUFFERS, DQ_Q_BUFFERS
+
+    constexprs = dict(HEAD_DIM=d, BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, Q_BUFFERS=DQ_Q_BUFFERS,
+                      KV_BUFFERS=DQ_KV_BUFFERS, NEG_SCALE=neg, HAS_WINDOW=window, CAUSAL=causal)
+    descriptors = {"desc_q": f"{dtype}[{DQ_BLOCK_M // 2},{d}]", "desc_do": f"{dtype}[{DQ_BLOCK_M // 2},{d}]",
+                   "desc_k": f"{dtype}[{DQ_BLOCK_N},{d}]", "desc_v": f"{dtype}[{DQ_BLOCK_N},{d}]"}
+    pointers = {"Out": dtype, "DQ": dtype, "RowMax": "fp32", "RowSum": "fp32", "Delta": "fp32", **_INDEX_POINTERS}
+    types = (descriptors, pointers, ("scale_log2", "sm_scale"),
+             ("sq_h", "sdo_h", "sk_h", "sv_h", "so_t", "so_h", "sdq_t", "sdq_h"))
+    return "dq_ws_kernel", constexprs, types, f"q_buf={DQ_Q_BUFFERS} kv_buf={DQ_KV_BUFFERS}"
+
+
 _INDEX_POINTERS = {name: "i32" for name in ("tiles", "q_offsets", "out_offsets", "kv_offsets")}
 
 
@@ -104,7 +118,8 @@ def compile_all(quick: bool = False) -> bool:
     for arch in sorted(KERNELS):
         ptxas = get_ptxas(arch).path
         print(f"sm_{arch}: {KERNELS[arch]}, {BWD_KERNELS[arch]}; triton {triton.__version__}, {ptxas}")
-        for module, kernel_config in ((KERNELS[arch], forward_kernel), (BWD_KERNELS[arch], backward_kernel)):
+        for module, kernel_config in ((KERNELS[arch], forward_kernel), (BWD_KERNELS[arch], backward_kernel),
+                                      (BWD_KERNELS[arch], dq_kernel)):
             for d, dtype, causal, window, neg in variants(quick):
                 name, constexprs, types, config = kernel_config(dtype, d, causal, window, neg)
                 fn = getattr(importlib.import_module(module), name)

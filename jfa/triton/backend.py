@@ -346,11 +346,13 @@ def forward(q, k, v, problem: Problem):
     return out, lse, (row_max, row_sum)
 
 
-def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None):
+def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None, dq_pass=None):
     """dq, dk, dv. `dkv_pass`, if given, runs the dK/dV pass of the ordinary sequences in place of
     `_dkv_kernel` (the tlx backend's kernel does): dkv_pass(q, k, v, dout, dk, dv, row_max, row_sum, delta,
     table, problem), called after the dQ pass has stored D, with `table` the dK/dV tile table this pass would
-    have run (its sequences are the ones to do)."""
+    have run (its sequences are the ones to do). `dq_pass` likewise replaces `_dq_kernel` without broadcast_q:
+    dq_pass(q, k, v, out, dout, dq, row_max, row_sum, delta, table, problem) stores dq and D of the sequences
+    of the dQ tile table `table`."""
     row_max, row_sum = residuals
     device = q.device
     dq = torch.empty(q.shape, dtype=q.dtype, device=device)
@@ -392,7 +394,9 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
                 sdv_h=dv.stride(1), n_heads=hq, BLOCK_M=config.short_bwd.block_m, BLOCK_N=config.short_bwd.block_n,
                 DQ_PARTIAL=partial, **args)
     table = sched.host.dq
-    if table.n_tiles:
+    if table.n_tiles and dq_pass is not None and not partial:
+        dq_pass(q, k, v, out, dout, dq, row_max, row_sum, delta, table, problem)
+    elif table.n_tiles:
         n = table.n_tiles
         _launch(bwd_kernels._dq_kernel, config.dq, _programs(n, config.dq, schedule, device),
                 problem, Out=out, DQ=dq_target, Delta=delta, tiles=sched.dq, n_tiles=n, counter=_counter(device),
@@ -487,9 +491,9 @@ class TritonBackend:
         with _on_device(q.device):
             return forward(q, k, v, problem)
 
-    def backward(self, dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None):
+    def backward(self, dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None, dq_pass=None):
         with _on_device(q.device):
-            return backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass)
+            return backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass, dq_pass)
 
 
 BACKEND = TritonBackend()
