@@ -183,3 +183,32 @@ def test_main_without_cuda_exits_2_with_a_message(monkeypatch, capsys, extra):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert tune.main(["--rows", "tiny", *extra]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_compile_only_reports_ptxas_usage_of_each_candidate_and_failures():
+    """`--compile-only` compiles every candidate at each num_stages for sm_90 without a GPU and prints ptxas's
+    registers, spills and shared memory; a candidate that does not compile is reported and fails the run."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from jfa.triton import tune
+from jfa.triton.backend import KernelConfig
+good, bad = KernelConfig(32, 32, 4, (2, 1)), KernelConfig(24, 24, 4, (1,))
+tune.candidates = lambda role, block_d: [good, bad]
+sys.exit(tune.main(["--compile-only", "--roles", "packed_fwd", "--head-dim", "16"]))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiling needs the real backend
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=600)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert [line.split("  ")[0] for line in lines] == ["packed_fwd 32x32 w4 s2 r1", "packed_fwd 32x32 w4 s1 r1",
+                                                       "packed_fwd 24x24 w4 s1 r1"], lines
+    for line in lines[:2]:
+        fields = line.split()
+        regs, spill, smem = (int(fields[fields.index(name) + 1]) for name in ("regs", "spill", "smem"))
+        assert 0 < regs <= 255 and spill >= 0 and smem > 0, line
+    assert "FAIL" in lines[2], lines[2]

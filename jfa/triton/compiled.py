@@ -49,6 +49,38 @@ class Variant:
     num_stages: int
 
 
+# The kernel each config role of `jfa.triton.backend.BackendConfig` launches.
+ROLE_KERNELS = {"fwd": "_fwd_kernel", "packed_fwd": "_fwd_packed_kernel", "dq": "_dq_kernel", "dkv": "_dkv_kernel",
+                "short_bwd": "_bwd_short_kernel", "packed_bwd": "_bwd_packed_kernel"}
+_ROLE_LABELS = {"fwd": "fwd", "packed_fwd": "fwd_packed", "dq": "dq", "dkv": "dkv", "short_bwd": "bwd_short",
+                "packed_bwd": "bwd_packed"}
+
+
+def role_variants(role: str, kcfg, d: int, dv: int, dtype: str = "bf16", causal: bool = False,
+                  window: bool = False, partial: bool = False) -> list[Variant]:
+    """The variants of `role`'s kernel at config `kcfg` (one per num_stages) for head dims d/dv; `partial`: dq
+    as broadcast_q's fp32 partial (the roles that write dq)."""
+    from jfa.triton import backend
+
+    block_d, block_dv = backend.padded_dim(d), backend.padded_dim(dv)
+    kernel = ROLE_KERNELS[role]
+    pointers = {n: dtype for n in ("Q", "K", "V", "Out", "DOut", "DK", "DV")}
+    pointers.update({n: "fp32" for n in ("Lse", "RowMax", "RowSum", "Delta")})
+    pointers.update({n: "i32" for n in ("tiles", "counter", "q_offsets", "out_offsets", "kv_offsets", "pack_seqs",
+                                        "pack_shift")})
+    label, extra = _ROLE_LABELS[role], {}
+    if role in ("dq", "short_bwd", "packed_bwd"):
+        pointers["DQ"] = "fp32" if partial else dtype
+        label, extra = f"{label} partial={int(partial)}", dict(DQ_PARTIAL=partial)
+    tiles = (dict(BLOCK=kcfg.block_m, SLOTS=kcfg.block_m // 16) if role.startswith("packed")
+             else dict(BLOCK_M=kcfg.block_m, BLOCK_N=kcfg.block_n))
+    constexprs = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, NEG_SCALE=False,
+                      HAS_WINDOW=window, CAUSAL=causal, SCHEDULE=1, INTERPRET=False, **tiles, **extra)
+    tag = f"D{d}/{dv} {dtype} causal={int(causal)} window={int(window)}"
+    return [Variant(f"{label} s{stages} {tag}", kernel, pointers, constexprs, kcfg.num_warps, stages)
+            for stages in kcfg.stages]
+
+
 def variants(quick: bool = False, head_dims: list[tuple[int, int]] | None = None) -> list[Variant]:
     """Every kernel variant the backend launches on Hopper (the module docstring says which); `quick`: head
     dim 128, bf16, causal and window only; `head_dims`: only these (D, Dv) pairs."""
@@ -59,35 +91,16 @@ def variants(quick: bool = False, head_dims: list[tuple[int, int]] | None = None
     masks = [(True, True)] if quick else [(False, False), (True, True)]
     dtypes = []
     for d, dv in dims:
-        block_d, block_dv = backend.padded_dim(d), backend.padded_dim(dv)
-        cfg = backend.gpu_config(max(block_d, block_dv))
+        cfg = backend.gpu_config(max(backend.padded_dim(d), backend.padded_dim(dv)))
         for dt in (("bf16",) if quick or (d, dv) != (128, 128) else ("bf16", "fp16")):
             dtypes += [dt] if dt not in dtypes else []
-            ptr = {n: dt for n in ("Q", "K", "V", "Out", "DOut", "DK", "DV")}
-            ptr.update({n: "fp32" for n in ("Lse", "RowMax", "RowSum", "Delta")})
-            ptr.update({n: "i32" for n in ("tiles", "counter", "q_offsets", "out_offsets", "kv_offsets",
-                                           "pack_seqs", "pack_shift")})
-            # (label, kernel, pointer types, config, constexprs beyond the common ones)
-            roles = [("fwd", "_fwd_kernel", ptr, cfg.fwd, {}),
-                     ("fwd_packed", "_fwd_packed_kernel", ptr, cfg.packed_fwd, {}),
-                     ("dkv", "_dkv_kernel", ptr, cfg.dkv, {})]
+            roles = [("fwd", False), ("packed_fwd", False), ("dkv", False)]
             for partial in (False, True):
-                with_dq = dict(ptr, DQ="fp32" if partial else dt)
-                extra = dict(DQ_PARTIAL=partial)
-                roles += [(f"dq partial={int(partial)}", "_dq_kernel", with_dq, cfg.dq, extra),
-                          (f"bwd_packed partial={int(partial)}", "_bwd_packed_kernel", with_dq, cfg.packed_bwd, extra)]
-                if cfg.short_bwd:
-                    roles.append((f"bwd_short partial={int(partial)}", "_bwd_short_kernel", with_dq, cfg.short_bwd,
-                                  extra))
+                roles += [("dq", partial), ("packed_bwd", partial)]
+                roles += [("short_bwd", partial)] if cfg.short_bwd else []
             for causal, window in masks:
-                common = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, NEG_SCALE=False,
-                              HAS_WINDOW=window, CAUSAL=causal, SCHEDULE=1, INTERPRET=False)
-                tag = f"D{d}/{dv} {dt} causal={int(causal)} window={int(window)}"
-                for label, kernel, pointers, kcfg, extra in roles:
-                    tiles = (dict(BLOCK=kcfg.block_m, SLOTS=kcfg.block_m // 16) if "packed" in kernel
-                             else dict(BLOCK_M=kcfg.block_m, BLOCK_N=kcfg.block_n))
-                    out += [Variant(f"{label} s{stages} {tag}", kernel, pointers, {**common, **tiles, **extra},
-                                    kcfg.num_warps, stages) for stages in kcfg.stages]
+                for role, partial in roles:
+                    out += role_variants(role, getattr(cfg, role), d, dv, dt, causal, window, partial)
     out += [Variant(f"dq_reduce {dt}", "_dq_reduce_kernel", {"Part": "fp32", "DQ": dt},
                     dict(BLOCK=512, UNROLL=8, INTERPRET=False), 4, 2) for dt in dtypes]
     return out
@@ -133,6 +146,29 @@ def compile_variant(variant: Variant, arch: int = 90):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=variant.num_warps, num_stages=variant.num_stages))
+
+
+def ptxas_usage(variant: Variant, arch: int = 90) -> tuple[str, str, int]:
+    """(registers, spill-store bytes, shared-memory bytes) of the variant compiled for sm_<arch>, by the
+    ptxas that triton itself uses for that arch ("?" where ptxas printed none)."""
+    import triton
+
+    try:  # newer tritons ship two ptxas binaries and pick by arch
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(arch).path
+    except (ImportError, TypeError, AttributeError):
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    kernel = compile_variant(variant, arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_path = os.path.join(tmp, "k.ptx")
+        with open(ptx_path, "w") as f:
+            f.write(kernel.asm["ptx"])
+        info = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", ptx_path, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True).stderr
+    regs = re.findall(r"Used (\d+) registers", info)
+    spill = re.findall(r"(\d+) bytes spill stores", info)
+    return regs[0] if regs else "?", spill[0] if spill else "?", kernel.metadata.shared
 
 
 _LOCATION = re.compile(r" loc\((#loc\d*|[^()]*(\([^()]*\))?[^()]*)\)")

@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
@@ -378,50 +377,25 @@ def _check_invariance(spec, q, k, v, dout, kw, batch, device):
 def compile_check(quick: bool = False, arch: int = 90, head_dims: list[tuple[int, int]] | None = None) -> bool:
     """Compiles every kernel variant (`jfa.triton.compiled.variants`) for sm_<arch> with this triton; prints
     ptxas registers and spills. head_dims: only these (D, Dv) pairs (e.g. the config class just retuned)."""
-    import re
-    import tempfile
-
-    import triton
-
     from jfa.triton import backend
-    from jfa.triton.compiled import compile_variant, variants
+    from jfa.triton.compiled import ptxas_usage, variants
 
     if backend.interpreting():
         print("unset TRITON_INTERPRET to compile the kernels")
         return False
-    try:  # the ptxas triton itself uses for this arch (newer tritons ship two)
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        ptxas = get_ptxas(arch).path
-    except (ImportError, TypeError, AttributeError):
-        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    tmp = tempfile.mkdtemp()
     ok = True
     for variant in variants(quick, head_dims):
         start = time.perf_counter()
         try:
-            k = compile_variant(variant, arch)
+            regs, spill, smem = ptxas_usage(variant, arch)
         except Exception as error:  # noqa: BLE001 - report every failure
             print(f"FAIL {variant.label}: {type(error).__name__}: {str(error)[:1500]}")
             ok = False
             continue
-        ptx_path = os.path.join(tmp, "k.ptx")
-        with open(ptx_path, "w") as f:
-            f.write(k.asm["ptx"])
-        info = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", ptx_path, "-o",
-                               os.path.join(tmp, "k.cubin")], capture_output=True, text=True).stderr
-        regs = re.findall(r"Used (\d+) registers", info)
-        if not regs:
-            print("     ptxas:", info.strip()[:300])
-        spill = re.findall(r"(\d+) bytes spill stores", info)
-        print(f"ok   {variant.label:60s} regs {regs[0] if regs else '?':>3s} spill {spill[0] if spill else '?':>5s} "
-              f"smem {k.metadata.shared:>6d}  ({time.perf_counter() - start:.1f}s)")
+        print(f"ok   {variant.label:60s} regs {regs:>3s} spill {spill:>5s} smem {smem:>6d}  "
+              f"({time.perf_counter() - start:.1f}s)")
     print("COMPILE PASS" if ok else "COMPILE FAIL")
     return ok
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Driver
 
 
 def shrink(spec):

@@ -29,6 +29,11 @@ launched no kernel of the role, "error" is explained under the table. Then the o
 a summary: per role, the candidate with the lowest total over the role's rows against the shipped one.
 A winner is a proposal: a new config moves the kernel's bits, so it ships after the verify suite's
 premerge profile passes with it on the GPU.
+
+Without a GPU. `--compile-only` compiles every candidate of the roles (each num_stages; no mask) for sm_90
+with the installed triton and prints ptxas's registers, spill-store bytes and shared memory per candidate:
+which ones a compiler spills on, before any is timed (fbtriton, for one, spills on every packed-forward
+candidate at head dim 128 where stock triton spills on none but the 128-row ones).
 """
 
 from __future__ import annotations
@@ -478,6 +483,30 @@ def warm_up(args, block_d: int) -> dict[tuple, str]:
     return crashed
 
 
+def compile_candidates(roles, head_dim: int, dtype: str, arch: int = 90) -> int:
+    """--compile-only: every candidate of each role (each num_stages), compiled for sm_<arch> with the
+    installed triton (no GPU), no mask, with ptxas's registers, spill stores and shared memory: which
+    candidates a compiler spills on, before any is timed. 0 when all compiled."""
+    from jfa.triton.compiled import ptxas_usage, role_variants
+
+    if interpreting():
+        print("unset TRITON_INTERPRET to compile the kernels")
+        return 2
+    failed = 0
+    for role in roles:
+        for cfg in candidates(role, padded_dim(head_dim)):
+            for variant in role_variants(role, cfg, head_dim, head_dim, dtype):
+                name = f"{role:10s} {label(dataclasses.replace(cfg, stages=(variant.num_stages,)))}"
+                try:
+                    regs, spill, smem = ptxas_usage(variant, arch)
+                except Exception as error:  # noqa: BLE001 - report every failure
+                    print(f"{name}  FAIL {type(error).__name__}: {' '.join(str(error).split())[:300]}")
+                    failed += 1
+                    continue
+                print(f"{name}  regs {regs:>3s} spill {spill:>5s} smem {smem:>6d}", flush=True)
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
@@ -489,6 +518,8 @@ def main(argv=None) -> int:
                         help="compile warm-up processes (0: compile while timing)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every figure and the environment here")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="no GPU: compile each candidate for sm_90 and print ptxas's registers and spills")
     parser.add_argument("--warm", help=argparse.SUPPRESS)  # i/n: be warm-up worker i of n
     args = parser.parse_args(argv)
     if not (HEAD_DIM_MULTIPLE <= args.head_dim <= MAX_HEAD_DIM and args.head_dim % HEAD_DIM_MULTIPLE == 0):
@@ -499,6 +530,9 @@ def main(argv=None) -> int:
     if unshipped:
         print(f"not swept at head dim {args.head_dim} (no config ships for it): {' '.join(unshipped)}")
         args.roles = [role for role in args.roles if role not in unshipped]
+
+    if args.compile_only:
+        return compile_candidates(args.roles, args.head_dim, args.dtype)
 
     import torch
 
