@@ -56,7 +56,7 @@ import triton.language.extra.tlx as tlx
 from jfa.block_info import q_block_range
 from jfa.mask import visible
 from jfa.softmax import backward_row_stats, raw_scores, shifted_exp2
-from jfa.tlx.forward import _rounds, _tile, _tile_round
+from jfa.tlx.forward import _rounds, _tile, _tile_round, query_ring_barriers
 from jfa.triton.forward import sequence_bounds
 
 # Per consumer thread: the dk and dv accumulators alone take 128 (64 keys × D 128 × 2 in fp32 over 128
@@ -346,12 +346,7 @@ def dq_ws_kernel(
     do_tiles = tlx.local_alloc((HALF, HEAD_DIM), DT, 2 * Q_BUFFERS)
     k_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), DT, KV_BUFFERS)
     v_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), DT, KV_BUFFERS)
-    q_full = tlx.alloc_barriers(num_barriers=2 * Q_BUFFERS, arrive_count=1)
-    q_empty = tlx.alloc_barriers(num_barriers=2 * Q_BUFFERS, arrive_count=1)
-    k_full = tlx.alloc_barriers(num_barriers=KV_BUFFERS, arrive_count=1)
-    k_empty = tlx.alloc_barriers(num_barriers=KV_BUFFERS, arrive_count=2)
-    v_full = tlx.alloc_barriers(num_barriers=KV_BUFFERS, arrive_count=1)
-    v_empty = tlx.alloc_barriers(num_barriers=KV_BUFFERS, arrive_count=2)
+    q_full, q_empty, k_full, k_empty, v_full, v_empty = query_ring_barriers(Q_BUFFERS, KV_BUFFERS)
     with tlx.async_tasks():
         with tlx.async_task("default"):
             _load_query_tiles(desc_q, desc_do, desc_k, desc_v, q_tiles, do_tiles, k_tiles, v_tiles, q_full, q_empty,

@@ -231,6 +231,19 @@ def _attend_tiles(q_tiles, k_tiles, v_tiles, q_full, q_empty, k_full, k_empty, v
         tl.store(RowSum + stat, l_i, mask=row_ok)
 
 
+@triton.jit
+def query_ring_barriers(Q_BUFFERS: tl.constexpr, KV_BUFFERS: tl.constexpr):
+    """The mbarriers of a query-tile kernel (this forward, the dQ pass): q_full/q_empty per consumer and Q slot
+    (one arrival each), k and v full (the producer's TMA) and empty (both consumers) per ring slot."""
+    q_full = tlx.alloc_barriers(num_barriers=2 * Q_BUFFERS, arrive_count=1)
+    q_empty = tlx.alloc_barriers(num_barriers=2 * Q_BUFFERS, arrive_count=1)
+    k_full = tlx.alloc_barriers(num_barriers=KV_BUFFERS, arrive_count=1)
+    k_empty = tlx.alloc_barriers(num_barriers=KV_BUFFERS, arrive_count=2)
+    v_full = tlx.alloc_barriers(num_barriers=KV_BUFFERS, arrive_count=1)
+    v_empty = tlx.alloc_barriers(num_barriers=KV_BUFFERS, arrive_count=2)
+    return q_full, q_empty, k_full, k_empty, v_full, v_empty
+
+
 @triton.jit(do_not_specialize=["n_tiles", "n_heads", "group", "window", "stat_h", "q_rows", "kv_rows"])
 def fwd_ws_kernel(
     desc_q, desc_k, desc_v, Out, Lse, RowMax, RowSum,
@@ -247,12 +260,7 @@ def fwd_ws_kernel(
     q_tiles = tlx.local_alloc((HALF, HEAD_DIM), DT, 2 * Q_BUFFERS)  # slot s of consumer c: 2s + c
     k_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), DT, KV_BUFFERS)
     v_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), DT, KV_BUFFERS)
-    q_full = tlx.alloc_barriers(num_barriers=2 * Q_BUFFERS, arrive_count=1)
-    q_empty = tlx.alloc_barriers(num_barriers=2 * Q_BUFFERS, arrive_count=1)
-    k_full = tlx.alloc_barriers(num_barriers=KV_BUFFERS, arrive_count=1)
-    k_empty = tlx.alloc_barriers(num_barriers=KV_BUFFERS, arrive_count=2)
-    v_full = tlx.alloc_barriers(num_barriers=KV_BUFFERS, arrive_count=1)
-    v_empty = tlx.alloc_barriers(num_barriers=KV_BUFFERS, arrive_count=2)
+    q_full, q_empty, k_full, k_empty, v_full, v_empty = query_ring_barriers(Q_BUFFERS, KV_BUFFERS)
     with tlx.async_tasks():
         with tlx.async_task("default"):
             _load_tiles(desc_q, desc_k, desc_v, q_tiles, k_tiles, v_tiles, q_full, q_empty, k_full, k_empty,
