@@ -105,48 +105,58 @@ def test_backward_is_the_triton_backward_with_the_tlx_passes(monkeypatch, dims, 
                             "dq_pass": backend._launch_dq if dq else None})]
 
 
-def test_triton_backward_runs_a_given_dkv_pass_instead_of_its_kernel():
-    """With `dkv_pass` the Triton backward leaves dk and dv of the ordinary sequences to it: called once, after
-    the dQ pass has stored D for their rows, with the dK/dV tile table; dq is the same as without it."""
+@pytest.fixture
+def small_blocks():
+    """The Triton backend under the interpreter with SMALL_BLOCKS (many block edges at these sizes)."""
     reason = interpreter_unavailable()
     if reason:
         pytest.skip(reason)
-    from jfa.tlx.backend import rows_of
     from jfa.triton import backend as triton_backend
 
-    q_lens, kv_lens = [150, 70, 0, 90, 20], [120, 80, 30, 0, 20]
-    (q, k, v), problem = _problem(q_lens, kv_lens, hq=4, hkv=2, d=16)
     triton_backend.set_config(triton_backend.SMALL_BLOCKS)
-    try:
-        out, lse, residuals = triton_backend.BACKEND.forward(q, k, v, problem)
-        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
-        want = triton_backend.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem)
-        table = triton_backend.device_schedule(problem, triton_backend.SMALL_BLOCKS).host.dkv
-        seqs = np.unique(table.entries[:, 0])
-        key_rows = torch.from_numpy(rows_of(problem.kv_offsets_host.numpy(), np.asarray(kv_lens), seqs))
-        calls = []
+    yield triton_backend
+    triton_backend.set_config(None)
 
-        def dkv_pass(*args):
-            dk, dv = args[4], args[5]
-            # Nothing wrote these sequences' dk and dv yet (fresh allocations are NaN-filled here).
-            calls.append(args + (bool(dk[key_rows].isnan().all() and dv[key_rows].isnan().all()),))
-            dk.fill_(7.0)
-            dv.fill_(-7.0)
 
-        fill = torch.utils.deterministic.fill_uninitialized_memory
-        deterministic = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.utils.deterministic.fill_uninitialized_memory = True
-        try:
-            got = triton_backend.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass=dkv_pass)
-        finally:
-            torch.utils.deterministic.fill_uninitialized_memory = fill
-            torch.use_deterministic_algorithms(deterministic)
-    finally:
-        triton_backend.set_config(None)
+# A batch with ordinary, kv-empty, q-empty and (at SMALL_BLOCKS) packed sequences, and GQA.
+HOOK_Q_LENS, HOOK_KV_LENS = [150, 70, 0, 90, 20], [120, 80, 30, 0, 20]
+
+
+def _hook_case(triton_backend):
+    """(q, k, v, problem, out, lse, residuals, dout, want: the Triton backward's gradients, host schedule) of
+    the hook tests' batch."""
+    (q, k, v), problem = _problem(HOOK_Q_LENS, HOOK_KV_LENS, hq=4, hkv=2, d=16)
+    out, lse, residuals = triton_backend.BACKEND.forward(q, k, v, problem)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    want = triton_backend.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem)
+    host = triton_backend.device_schedule(problem, triton_backend.SMALL_BLOCKS).host
+    return q, k, v, problem, out, lse, residuals, dout, want, host
+
+
+def test_triton_backward_runs_a_given_dkv_pass_instead_of_its_kernel(small_blocks):
+    """With `dkv_pass` the Triton backward leaves dk and dv of the ordinary sequences to it: called once, after
+    the dQ pass has stored D for their rows, with the dK/dV tile table; dq is the same as without it."""
+    from jfa.tlx.backend import rows_of
+    from verify.runner import nan_filled_allocations
+
+    q, k, v, problem, out, lse, residuals, dout, want, host = _hook_case(small_blocks)
+    table = host.dkv
+    seqs = np.unique(table.entries[:, 0])
+    key_rows = torch.from_numpy(rows_of(problem.kv_offsets_host.numpy(), np.asarray(HOOK_KV_LENS), seqs))
+    calls = []
+
+    def dkv_pass(*args):
+        dk, dv = args[4], args[5]
+        # Nothing wrote these sequences' dk and dv yet (fresh allocations are NaN-filled here).
+        calls.append(args + (bool(dk[key_rows].isnan().all() and dv[key_rows].isnan().all()),))
+        dk.fill_(7.0)
+        dv.fill_(-7.0)
+
+    with nan_filled_allocations():
+        got = small_blocks.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass=dkv_pass)
     assert len(calls) == 1 and calls[0][9] is table and calls[0][10] is problem and calls[0][11]
     delta = calls[0][8]
-    rows = torch.from_numpy(rows_of(problem.out_offsets_host.numpy(), np.asarray(q_lens), seqs))
+    rows = torch.from_numpy(rows_of(problem.out_offsets_host.numpy(), np.asarray(HOOK_Q_LENS), seqs))
     want_delta = (dout.float() * out.float()).sum(-1).T
     torch.testing.assert_close(delta[:, rows], want_delta[:, rows], rtol=1e-6, atol=1e-6)
     assert torch.equal(got[0], want[0])
@@ -154,36 +164,24 @@ def test_triton_backward_runs_a_given_dkv_pass_instead_of_its_kernel():
     assert not (want[1] == 7).all()
 
 
-def test_triton_backward_runs_a_given_dq_pass_instead_of_its_kernel():
+def test_triton_backward_runs_a_given_dq_pass_instead_of_its_kernel(small_blocks):
     """With `dq_pass` (and no broadcast_q) the Triton backward leaves dq and D of the ordinary sequences to it:
     called once with the dQ tile table and the dq output, before the dK/dV pass, which reads the D it stored."""
-    reason = interpreter_unavailable()
-    if reason:
-        pytest.skip(reason)
     from jfa.tlx.backend import rows_of
-    from jfa.triton import backend as triton_backend
 
-    q_lens, kv_lens = [150, 70, 0, 90, 20], [120, 80, 30, 0, 20]
-    (q, k, v), problem = _problem(q_lens, kv_lens, hq=4, hkv=2, d=16)
-    triton_backend.set_config(triton_backend.SMALL_BLOCKS)
-    try:
-        out, lse, residuals = triton_backend.BACKEND.forward(q, k, v, problem)
-        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
-        want = triton_backend.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem)
-        table = triton_backend.device_schedule(problem, triton_backend.SMALL_BLOCKS).host.dq
-        rows = torch.from_numpy(rows_of(problem.out_offsets_host.numpy(), np.asarray(q_lens),
-                                        np.unique(table.entries[:, 0])))
-        calls = []
+    q, k, v, problem, out, lse, residuals, dout, want, host = _hook_case(small_blocks)
+    table = host.dq
+    rows = torch.from_numpy(rows_of(problem.out_offsets_host.numpy(), np.asarray(HOOK_Q_LENS),
+                                    np.unique(table.entries[:, 0])))
+    calls = []
 
-        def dq_pass(*args):
-            calls.append(args)
-            dq, delta = args[5], args[8]
-            dq[rows] = 3.0
-            delta[:, rows] = (dout.float() * out.float()).sum(-1).T[:, rows]
+    def dq_pass(*args):
+        calls.append(args)
+        dq, delta = args[5], args[8]
+        dq[rows] = 3.0
+        delta[:, rows] = (dout.float() * out.float()).sum(-1).T[:, rows]
 
-        got = triton_backend.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem, dq_pass=dq_pass)
-    finally:
-        triton_backend.set_config(None)
+    got = small_blocks.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem, dq_pass=dq_pass)
     assert len(calls) == 1 and calls[0][9] is table and calls[0][10] is problem and calls[0][5] is got[0]
     other = torch.ones(got[0].shape[0], dtype=torch.bool)
     other[rows] = False
