@@ -307,3 +307,21 @@ def test_source_digest_names_the_code_not_the_checkout(tmp_path):
     (tmp_path / "b" / "verify" / "baselines" / "cpu.json").write_text("{}")
     assert environment.source_digest(tmp_path / "b") == first
     assert environment.collect("cpu")["jfa_source"] == environment.source_digest()
+
+
+def test_paths_summary_counts_cases_per_reported_kernel_path():
+    """The run's summary and the gate name, per backend that reports its config, how many cases took each
+    forward path and backward route, so a gate run that never reached a kernel says so; backends without a
+    config (and other record kinds) add nothing."""
+    def record(case, test, tensor, config, backend="tlx"):
+        return dict(kind="result", backend=backend, case=case, family=case.split(":")[0], test=test,
+                    tensor=tensor, status="pass", config=config)
+
+    tlx, routed = dict(path="tlx", backward="TLX passes"), dict(path="triton", backward="triton")
+    records = [dict(kind="environment"),
+               *(record(c, t, n, tlx) for c in ("a:0", "b:0") for t, n in (("forward", "out"), ("backward", "dq"))),
+               record("c:0", "backward", "dk", routed), record("c:0", "invariants", "*", routed),
+               record("a:0", "forward", "out", None, backend="triton")]
+    assert results.paths_summary(records) == ["tlx forward paths (cases): tlx 2; triton 1",
+                                              "tlx backward paths (cases): TLX passes 2; triton 1"]
+    assert results.paths_summary([record("a:0", "forward", "out", None, backend="triton")]) == []

@@ -150,6 +150,8 @@ def pytest_terminal_summary(terminalreporter, config):
     records = results.merge(parts, path, run)
     terminalreporter.section("jfa verify summary")
     terminalreporter.write_line(results.summary_table(records))
+    for line in results.paths_summary(records):
+        terminalreporter.write_line(line)
     terminalreporter.write_line(f"results: {path} ({len(records)} records)")
     if sys.dont_write_bytecode:
         # Seen on the lent H200 machine: every worker's imports of torch, sympy (through torch.autograd.grad)

@@ -202,3 +202,24 @@ def summary_table(records: list[dict]) -> str:
             f"{row['skipped']:>5} {row['verdict']}"
         )
     return "\n".join(lines)
+
+
+def paths_summary(records: list[dict]) -> list[str]:
+    """Which kernels the run exercised, for backends that report their config (the same for every test of a
+    case): per backend the cases of each forward path (config "path") and of each backward route (config
+    "backward"). A gate run that never reached a kernel shows it here: a premerge of the tlx backend whose
+    cases all say backward "triton" did not test its TLX passes."""
+    seen: dict[str, dict[str, dict[str, set]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(set)))
+    for r in records:
+        config = r.get("config") if r.get("kind") == "result" else None
+        if isinstance(config, dict):
+            for kind, key in (("forward", "path"), ("backward", "backward")):
+                if key in config:
+                    seen[r["backend"]][kind][config[key]].add(r.get("case"))
+    lines = []
+    for backend, kinds in sorted(seen.items()):
+        for kind in ("forward", "backward"):
+            if kinds[kind]:
+                counts = sorted((-len(cases), name) for name, cases in kinds[kind].items())
+                lines.append(f"{backend} {kind} paths (cases): " + "; ".join(f"{name} {-n}" for n, name in counts))
+    return lines
