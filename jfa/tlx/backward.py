@@ -56,7 +56,7 @@ import triton.language.extra.tlx as tlx
 from jfa.block_info import q_block_range
 from jfa.mask import visible
 from jfa.softmax import backward_row_stats, raw_scores, shifted_exp2
-from jfa.tlx.forward import _rounds, _tile, _tile_round, query_ring_barriers
+from jfa.tlx.forward import _load_tiles, _rounds, _tile, _tile_round, query_ring_barriers
 from jfa.triton.forward import sequence_bounds
 
 # Per consumer thread: the dk and dv accumulators alone take 128 (64 keys × D 128 × 2 in fp32 over 128
@@ -235,46 +235,6 @@ def dkv_ws_kernel(
 
 
 @triton.jit
-def _load_query_tiles(desc_q, desc_do, desc_k, desc_v, q_tiles, do_tiles, k_tiles, v_tiles, q_full, q_empty, k_full,
-                      k_empty, v_full, v_empty, tiles, n_tiles, q_offsets, out_offsets, kv_offsets, sq_h, sdo_h, sk_h,
-                      sv_h, q_rows, out_rows, kv_rows, window, n_heads, group, HEAD_DIM: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_BUFFERS: tl.constexpr,
-                      KV_BUFFERS: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
-    """The dQ pass's producer: per tile the two 64-row halves of Q and dO (one per consumer), then the K and V
-    blocks of every key block the rows see (`jfa.tlx.forward._tile`: at least one, masked, per tile)."""
-    HALF: tl.constexpr = BLOCK_M // 2
-    ELEM: tl.constexpr = tlx.size_of(tlx.dtype_of(desc_q))
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    kv_count = 0
-    for r in range(0, _rounds(pid, nprog, n_tiles)):
-        head, m0, q_start, out_start, q_len, kv_start, kv_len, lo, _, _, hi = _tile(
-            tiles, _tile_round(r, pid, nprog), n_heads, q_offsets, out_offsets, kv_offsets, window, BLOCK_M,
-            BLOCK_N, HAS_WINDOW, CAUSAL)
-        q_slot = (r % Q_BUFFERS) * 2
-        for c in tl.static_range(2):
-            tlx.barrier_wait(q_empty[q_slot + c], ((r // Q_BUFFERS) & 1) ^ 1)
-            tlx.barrier_expect_bytes(q_full[q_slot + c], 2 * ELEM * HALF * HEAD_DIM)
-            q_row = tl.minimum(q_start + m0 + c * HALF, q_rows - 1)  # clamped as in the forward
-            tlx.async_descriptor_load(desc_q, q_tiles[q_slot + c], [q_row, head * sq_h], q_full[q_slot + c])
-            tlx.async_descriptor_load(desc_do, do_tiles[q_slot + c],
-                                      [tl.minimum(out_start + m0 + c * HALF, out_rows - 1), head * sdo_h],
-                                      q_full[q_slot + c])
-        kv_head = head // group
-        for n in range(lo, hi, BLOCK_N):
-            slot = kv_count % KV_BUFFERS
-            phase = (kv_count // KV_BUFFERS) & 1
-            row = tl.minimum(kv_start + n, kv_rows - 1)
-            tlx.barrier_wait(k_empty[slot], phase ^ 1)
-            tlx.barrier_expect_bytes(k_full[slot], ELEM * BLOCK_N * HEAD_DIM)
-            tlx.async_descriptor_load(desc_k, k_tiles[slot], [row, kv_head * sk_h], k_full[slot])
-            tlx.barrier_wait(v_empty[slot], phase ^ 1)
-            tlx.barrier_expect_bytes(v_full[slot], ELEM * BLOCK_N * HEAD_DIM)
-            tlx.async_descriptor_load(desc_v, v_tiles[slot], [row, kv_head * sv_h], v_full[slot])
-            kv_count += 1
-
-
-@triton.jit
 def _dq_tiles(q_tiles, do_tiles, k_tiles, v_tiles, q_full, q_empty, k_full, k_empty, v_full, v_empty, Out, DQ, RowMax,
               RowSum, Delta, tiles, n_tiles, q_offsets, out_offsets, kv_offsets, so_t, so_h, sdq_t, sdq_h, stat_h,
               scale_log2, sm_scale, window, n_heads, cid: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -349,10 +309,10 @@ def dq_ws_kernel(
     q_full, q_empty, k_full, k_empty, v_full, v_empty = query_ring_barriers(Q_BUFFERS, KV_BUFFERS)
     with tlx.async_tasks():
         with tlx.async_task("default"):
-            _load_query_tiles(desc_q, desc_do, desc_k, desc_v, q_tiles, do_tiles, k_tiles, v_tiles, q_full, q_empty,
-                              k_full, k_empty, v_full, v_empty, tiles, n_tiles, q_offsets, out_offsets, kv_offsets,
-                              sq_h, sdo_h, sk_h, sv_h, q_rows, out_rows, kv_rows, window, n_heads, group, HEAD_DIM,
-                              BLOCK_M, BLOCK_N, Q_BUFFERS, KV_BUFFERS, HAS_WINDOW, CAUSAL)
+            _load_tiles(desc_q, desc_do, desc_k, desc_v, q_tiles, do_tiles, k_tiles, v_tiles, q_full, q_empty, k_full,
+                        k_empty, v_full, v_empty, tiles, n_tiles, q_offsets, out_offsets, kv_offsets, sq_h, sdo_h,
+                        sk_h, sv_h, q_rows, out_rows, kv_rows, window, n_heads, group, HEAD_DIM, BLOCK_M, BLOCK_N,
+                        Q_BUFFERS, KV_BUFFERS, HAS_WINDOW, CAUSAL)
         with tlx.async_task(num_warps=4, registers=CONSUMER_REGISTERS, replicate=2):
             _dq_tiles(q_tiles, do_tiles, k_tiles, v_tiles, q_full, q_empty, k_full, k_empty, v_full, v_empty, Out, DQ,
                       RowMax, RowSum, Delta, tiles, n_tiles, q_offsets, out_offsets, kv_offsets, so_t, so_h, sdq_t,

@@ -101,14 +101,16 @@ def _tile(tiles, t, n_heads, q_offsets, out_offsets, kv_offsets, window,
 
 
 @triton.jit
-def _load_tiles(desc_q, desc_k, desc_v, q_tiles, k_tiles, v_tiles, q_full, q_empty, k_full, k_empty, v_full,
-                v_empty, tiles, n_tiles, q_offsets, out_offsets, kv_offsets, sq_h, sk_h, sv_h, q_rows, kv_rows,
-                window, n_heads, group, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                Q_BUFFERS: tl.constexpr, KV_BUFFERS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                CAUSAL: tl.constexpr):
-    """The producer: TMA loads of every tile's query halves and key/value blocks."""
+def _load_tiles(desc_q, desc_do, desc_k, desc_v, q_tiles, do_tiles, k_tiles, v_tiles, q_full, q_empty, k_full,
+                k_empty, v_full, v_empty, tiles, n_tiles, q_offsets, out_offsets, kv_offsets, sq_h, sdo_h, sk_h, sv_h,
+                q_rows, out_rows, kv_rows, window, n_heads, group, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, Q_BUFFERS: tl.constexpr, KV_BUFFERS: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
+    """The producer of the query-tile kernels (this forward; the dQ pass, which passes `desc_do`, None here):
+    TMA loads of every tile's query halves (and dO halves, behind the same barrier) and key/value blocks."""
     HALF: tl.constexpr = BLOCK_M // 2
     ELEM: tl.constexpr = tlx.size_of(tlx.dtype_of(desc_q))
+    HALVES: tl.constexpr = 1 if desc_do is None else 2  # tiles per consumer slot: Q, or Q and dO
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     kv_count = 0
@@ -123,17 +125,21 @@ def _load_tiles(desc_q, desc_k, desc_v, q_tiles, k_tiles, v_tiles, q_full, q_emp
             # (or the masked block of a tile without keys) can start past the last row.
             row = tl.minimum(q_start + m0 + c * HALF, q_rows - 1)
             tlx.barrier_wait(q_empty[q_slot + c], q_phase ^ 1)  # consumer c released this slot's last tile
-            tlx.barrier_expect_bytes(q_full[q_slot + c], ELEM * HALF * HEAD_DIM)
+            tlx.barrier_expect_bytes(q_full[q_slot + c], HALVES * ELEM * HALF * HEAD_DIM)
             tlx.async_descriptor_load(desc_q, q_tiles[q_slot + c], [row, head * sq_h], q_full[q_slot + c])
+            if desc_do is not None:
+                tlx.async_descriptor_load(desc_do, do_tiles[q_slot + c],
+                                          [tl.minimum(out_start + m0 + c * HALF, out_rows - 1), head * sdo_h],
+                                          q_full[q_slot + c])
         kv_head = head // group
         for n in range(lo, hi, BLOCK_N):
             slot = kv_count % KV_BUFFERS
             phase = (kv_count // KV_BUFFERS) & 1
             row = tl.minimum(kv_start + n, kv_rows - 1)
-            tlx.barrier_wait(k_empty[slot], phase ^ 1)  # both consumers retired the QK that read this slot
+            tlx.barrier_wait(k_empty[slot], phase ^ 1)  # both consumers retired the products that read this slot
             tlx.barrier_expect_bytes(k_full[slot], ELEM * BLOCK_N * HEAD_DIM)
             tlx.async_descriptor_load(desc_k, k_tiles[slot], [row, kv_head * sk_h], k_full[slot])
-            tlx.barrier_wait(v_empty[slot], phase ^ 1)  # ... and the PV that read this slot
+            tlx.barrier_wait(v_empty[slot], phase ^ 1)  # ... and those that read this V slot
             tlx.barrier_expect_bytes(v_full[slot], ELEM * BLOCK_N * HEAD_DIM)
             tlx.async_descriptor_load(desc_v, v_tiles[slot], [row, kv_head * sv_h], v_full[slot])
             kv_count += 1
@@ -263,10 +269,10 @@ def fwd_ws_kernel(
     q_full, q_empty, k_full, k_empty, v_full, v_empty = query_ring_barriers(Q_BUFFERS, KV_BUFFERS)
     with tlx.async_tasks():
         with tlx.async_task("default"):
-            _load_tiles(desc_q, desc_k, desc_v, q_tiles, k_tiles, v_tiles, q_full, q_empty, k_full, k_empty,
-                        v_full, v_empty, tiles, n_tiles, q_offsets, out_offsets, kv_offsets, sq_h, sk_h, sv_h,
-                        q_rows, kv_rows, window, n_heads, group, HEAD_DIM, BLOCK_M, BLOCK_N, Q_BUFFERS, KV_BUFFERS,
-                        HAS_WINDOW, CAUSAL)
+            _load_tiles(desc_q, None, desc_k, desc_v, q_tiles, None, k_tiles, v_tiles, q_full, q_empty, k_full,
+                        k_empty, v_full, v_empty, tiles, n_tiles, q_offsets, out_offsets, kv_offsets, sq_h, 0, sk_h,
+                        sv_h, q_rows, 0, kv_rows, window, n_heads, group, HEAD_DIM, BLOCK_M, BLOCK_N, Q_BUFFERS,
+                        KV_BUFFERS, HAS_WINDOW, CAUSAL)
         with tlx.async_task(num_warps=4, registers=CONSUMER_REGISTERS, replicate=2):
             _attend_tiles(q_tiles, k_tiles, v_tiles, q_full, q_empty, k_full, k_empty, v_full, v_empty, Out, Lse,
                           RowMax, RowSum, tiles, n_tiles, q_offsets, out_offsets, kv_offsets, so_t, so_h, stat_h,
