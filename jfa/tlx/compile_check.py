@@ -1,11 +1,11 @@
 """Compile-only check of the TLX kernels (no GPU): `python -m jfa.tlx.compile_check [--quick]`.
 
 Needs fbtriton (Triton with TLX; it ships ptxas). Compiles every configuration (head dims × dtypes × mask
-kinds) of each TLX kernel of `jfa.tlx.backend` (the forward of `KERNELS`, the dK/dV pass of `BWD_KERNELS`)
-for each architecture with triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32)), then runs
-ptxas -v on the PTX and prints per configuration: the launch register count, the per-warpgroup budgets set
-by setmaxnreg (producer / consumers), spill bytes and shared memory (which must fit the 227 KiB a Hopper CTA
-can have). Exits 1 on any failure.
+kinds) of each TLX kernel of `jfa.tlx.backend` (the forward of `KERNELS`, the dQ and dK/dV passes of
+`BWD_KERNELS`) for each architecture with triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32)),
+then runs ptxas -v on the PTX and prints per configuration: the launch register count, the per-warpgroup
+budgets set by setmaxnreg (producer / consumers), spill bytes and shared memory (which must fit the 227 KiB a
+Hopper CTA can have). Exits 1 on any failure.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 
 MAX_SHARED = 232_448  # bytes of shared memory one CTA may use on sm_90 (227 KiB)
@@ -114,7 +112,6 @@ def compile_all(quick: bool = False) -> bool:
     from jfa.tlx.backend import BWD_KERNELS, KERNELS, NUM_WARPS
 
     ok = True
-    tmp = tempfile.mkdtemp()
     for arch in sorted(KERNELS):
         ptxas = get_ptxas(arch).path
         print(f"sm_{arch}: {KERNELS[arch]}, {BWD_KERNELS[arch]}; triton {triton.__version__}, {ptxas}")
@@ -134,30 +131,26 @@ def compile_all(quick: bool = False) -> bool:
                     print(f"FAIL {label}: {type(error).__name__}: {str(error)[:2000]}")
                     ok = False
                     continue
-                ok &= _report(kernel, label, ptxas, arch, tmp, start)
+                ok &= _report(kernel, label, arch, start)
     print("COMPILE PASS" if ok else "COMPILE FAIL")
     return ok
 
 
-def _report(kernel, label: str, ptxas: str, arch: int, tmp: str, start: float) -> bool:
-    """ptxas -v of the compiled kernel: prints its registers, register budgets, spills and shared memory;
-    whether it fits (ptxas ran, shared memory within MAX_SHARED)."""
+def _report(kernel, label: str, arch: int, start: float) -> bool:
+    """ptxas -v of the compiled kernel (`jfa.triton.compiled.ptxas_stats`): prints its registers, register
+    budgets, spills and shared memory; whether it fits (ptxas ran, shared memory within MAX_SHARED)."""
+    from jfa.triton.compiled import ptxas_stats
+
+    regs, spill, info = ptxas_stats(kernel, arch)
     ptx = kernel.asm["ptx"]
-    path = os.path.join(tmp, "k.ptx")
-    with open(path, "w") as f:
-        f.write(ptx)
-    info = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
-                          capture_output=True, text=True).stderr
-    regs = re.findall(r"Used (\d+) registers", info)
-    spill = re.findall(r"(\d+) bytes spill stores", info)
     budgets = sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
     shared = kernel.metadata.shared
-    fits = shared <= MAX_SHARED and bool(regs)
-    print(f"{'ok  ' if fits else 'FAIL'} {label:78s} regs {regs[0] if regs else '?':>3s} "
-          f"(setmaxnreg {'/'.join(map(str, budgets)) or '-'}) spill {spill[0] if spill else '?':>4s} B "
+    fits = shared <= MAX_SHARED and regs != "?"
+    print(f"{'ok  ' if fits else 'FAIL'} {label:78s} regs {regs:>3s} "
+          f"(setmaxnreg {'/'.join(map(str, budgets)) or '-'}) spill {spill:>4s} B "
           f"smem {shared:>6d} B{'' if shared <= MAX_SHARED else ' > ' + str(MAX_SHARED)}  "
           f"warps {kernel.metadata.num_warps}  ({time.perf_counter() - start:.1f}s)")
-    if not regs:
+    if regs == "?":
         print("     ptxas:", info.strip()[:500])
     return fits
 

@@ -148,9 +148,9 @@ def compile_variant(variant: Variant, arch: int = 90):
                           options=dict(num_warps=variant.num_warps, num_stages=variant.num_stages))
 
 
-def ptxas_usage(variant: Variant, arch: int = 90) -> tuple[str, str, int]:
-    """(registers, spill-store bytes, shared-memory bytes) of the variant compiled for sm_<arch>, by the
-    ptxas that triton itself uses for that arch ("?" where ptxas printed none)."""
+def ptxas_stats(kernel, arch: int = 90) -> tuple[str, str, str]:
+    """(registers, spill-store bytes, ptxas -v's report) of a compiled kernel, by the ptxas that triton itself
+    uses for sm_<arch> ("?" where ptxas printed none). Shared by this module and `jfa.tlx.compile_check`."""
     import triton
 
     try:  # newer tritons ship two ptxas binaries and pick by arch
@@ -159,7 +159,6 @@ def ptxas_usage(variant: Variant, arch: int = 90) -> tuple[str, str, int]:
         ptxas = get_ptxas(arch).path
     except (ImportError, TypeError, AttributeError):
         ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    kernel = compile_variant(variant, arch)
     with tempfile.TemporaryDirectory() as tmp:
         ptx_path = os.path.join(tmp, "k.ptx")
         with open(ptx_path, "w") as f:
@@ -168,7 +167,14 @@ def ptxas_usage(variant: Variant, arch: int = 90) -> tuple[str, str, int]:
                               capture_output=True, text=True).stderr
     regs = re.findall(r"Used (\d+) registers", info)
     spill = re.findall(r"(\d+) bytes spill stores", info)
-    return regs[0] if regs else "?", spill[0] if spill else "?", kernel.metadata.shared
+    return regs[0] if regs else "?", spill[0] if spill else "?", info
+
+
+def ptxas_usage(variant: Variant, arch: int = 90) -> tuple[str, str, int]:
+    """(registers, spill-store bytes, shared-memory bytes) of the variant compiled for sm_<arch>."""
+    kernel = compile_variant(variant, arch)
+    regs, spill, _ = ptxas_stats(kernel, arch)
+    return regs, spill, kernel.metadata.shared
 
 
 _LOCATION = re.compile(r" loc\((#loc\d*|[^()]*(\([^()]*\))?[^()]*)\)")
