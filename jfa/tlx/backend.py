@@ -196,8 +196,13 @@ def _descriptor(x: torch.Tensor, box_rows: int):
     return TensorDescriptor(x, shape=shape, strides=strides, block_shape=[box_rows, x.shape[2]]), x.stride(1)
 
 
+def _persistent_programs(n_tiles: int, device: torch.device) -> int:
+    """Grid of a persistent TLX kernel: one CTA per SM (each holds the SM's shared memory), at most one per tile."""
+    return min(n_tiles, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 def _launch_tlx(q, k, v, out, lse, row_max, row_sum, plan: HostPlan, problem: Problem) -> None:
-    from jfa.triton.backend import LOG2E, MIN_SCALE_LOG2, effective_window
+    from jfa.triton.backend import effective_window, scale_log2
 
     device = q.device
     cfg = CONFIGS[problem.head_dim]
@@ -206,7 +211,7 @@ def _launch_tlx(q, k, v, out, lse, row_max, row_sum, plan: HostPlan, problem: Pr
     desc_k, sk_h = _descriptor(k, cfg.block_n)
     desc_v, sv_h = _descriptor(v, cfg.block_n)
     n_tiles = plan.tiles.n_tiles
-    programs = min(n_tiles, torch.cuda.get_device_properties(device).multi_processor_count)
+    programs = _persistent_programs(n_tiles, device)
     scale = problem.sm_scale
     problem.confirm()  # a speculative problem's offsets are the caller's before the kernel reads them
     with torch.cuda.device(device):
@@ -214,7 +219,7 @@ def _launch_tlx(q, k, v, out, lse, row_max, row_sum, plan: HostPlan, problem: Pr
             desc_q, desc_k, desc_v, out, lse, row_max, row_sum,
             plan.table_on(device), n_tiles, problem.q_offsets, problem.out_offsets, problem.kv_offsets,
             sq_h, sk_h, sv_h, out.stride(0), out.stride(1), lse.stride(0), q.shape[0], k.shape[0],
-            max(abs(scale) * LOG2E, MIN_SCALE_LOG2), abs(scale), effective_window(problem), problem.q_heads,
+            scale_log2(problem), abs(scale), effective_window(problem), problem.q_heads,
             problem.group_size,
             HEAD_DIM=problem.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_BUFFERS=cfg.q_buffers,
             KV_BUFFERS=cfg.kv_buffers, NEG_SCALE=scale < 0, HAS_WINDOW=problem.window is not None,
@@ -279,7 +284,7 @@ def query_table(problem: Problem, triton_table: ts.TileTable, window) -> tuple[t
 def _launch_dq(q, k, v, out, dout, dq, row_max, row_sum, delta, triton_table, problem: Problem) -> None:
     """The TLX dQ pass (`jfa.tlx.backward.dq_ws_kernel`) over the sequences of the Triton dQ tile table: dq
     and D (stored in `delta` for the dK/dV pass)."""
-    from jfa.triton.backend import LOG2E, MIN_SCALE_LOG2, effective_window
+    from jfa.triton.backend import effective_window, scale_log2
 
     device = q.device
     window = effective_window(problem)  # 0 without one
@@ -291,13 +296,13 @@ def _launch_dq(q, k, v, out, dout, dq, row_max, row_sum, delta, triton_table, pr
     desc_v, sv_h = _descriptor(v, DQ_BLOCK_N)
     n_tiles = table.n_tiles
     problem.confirm()
-    programs = min(n_tiles, torch.cuda.get_device_properties(device).multi_processor_count)
+    programs = _persistent_programs(n_tiles, device)
     scale = problem.sm_scale
     kernel[(programs,)](
         desc_q, desc_do, desc_k, desc_v, out, dq, row_max, row_sum, delta,
         _table_on(table, copies, device), n_tiles, problem.q_offsets, problem.out_offsets, problem.kv_offsets,
         sq_h, sdo_h, sk_h, sv_h, out.stride(0), out.stride(1), dq.stride(0), dq.stride(1), row_max.stride(0),
-        q.shape[0], dout.shape[0], k.shape[0], max(abs(scale) * LOG2E, MIN_SCALE_LOG2), scale, window,
+        q.shape[0], dout.shape[0], k.shape[0], scale_log2(problem), scale, window,
         problem.q_heads, problem.group_size,
         HEAD_DIM=problem.head_dim, BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, Q_BUFFERS=DQ_Q_BUFFERS,
         KV_BUFFERS=DQ_KV_BUFFERS, NEG_SCALE=scale < 0, HAS_WINDOW=problem.window is not None, CAUSAL=problem.causal,
@@ -321,7 +326,7 @@ def _launch_dkv(q, k, v, dout, dk, dv, row_max, row_sum, delta, triton_table, pr
     """The TLX dK/dV pass (`jfa.tlx.backward`) over the sequences of the Triton dK/dV tile table; D (delta) is
     the dQ pass's. The three statistics share one layout ([Hq, rows], contiguous, as both forwards and the
     Triton backward allocate them)."""
-    from jfa.triton.backend import LOG2E, MIN_SCALE_LOG2, effective_window
+    from jfa.triton.backend import effective_window, scale_log2
 
     device = q.device
     window = effective_window(problem)  # 0 without one
@@ -334,13 +339,13 @@ def _launch_dkv(q, k, v, dout, dk, dv, row_max, row_sum, delta, triton_table, pr
     desc_m, desc_l, desc_delta = (_statistics_descriptor(x) for x in (row_max, row_sum, delta))
     n_tiles = table.n_tiles
     problem.confirm()
-    programs = min(n_tiles, torch.cuda.get_device_properties(device).multi_processor_count)
+    programs = _persistent_programs(n_tiles, device)
     scale = problem.sm_scale
     kernel[(programs,)](
         desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, dk, dv,
         _table_on(table, copies, device), n_tiles, problem.q_offsets, problem.out_offsets, problem.kv_offsets,
         sq_h, sdo_h, sk_h, sv_h, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), row_max.stride(0),
-        q.shape[0], dout.shape[0], k.shape[0], max(abs(scale) * LOG2E, MIN_SCALE_LOG2), scale, window,
+        q.shape[0], dout.shape[0], k.shape[0], scale_log2(problem), scale, window,
         problem.kv_heads, problem.group_size,
         HEAD_DIM=problem.head_dim, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, BUFFERS=BWD_BUFFERS,
         NEG_SCALE=scale < 0, HAS_WINDOW=problem.window is not None, CAUSAL=problem.causal, num_warps=NUM_WARPS,

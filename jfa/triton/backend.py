@@ -46,6 +46,12 @@ LOG2E = 1.4426950408889634
 MIN_SCALE_LOG2 = 1e-30
 
 
+def scale_log2(problem: Problem) -> float:
+    """The kernels' exp2 multiplier of the raw scores: |sm_scale|·log2(e), floored at MIN_SCALE_LOG2 (the
+    sign is the kernels' NEG_SCALE). Shared by the Triton launches and the tlx backend's."""
+    return max(abs(problem.sm_scale) * LOG2E, MIN_SCALE_LOG2)
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -290,7 +296,7 @@ def _common(problem: Problem) -> dict:
     scale = problem.sm_scale
     return dict(
         q_offsets=problem.q_offsets, out_offsets=problem.out_offsets, kv_offsets=problem.kv_offsets,
-        scale_log2=max(abs(scale) * LOG2E, MIN_SCALE_LOG2), window=effective_window(problem),
+        scale_log2=scale_log2(problem), window=effective_window(problem),
         group=problem.group_size, HEAD_DIM=problem.head_dim, HEAD_DIM_V=problem.head_dim_v,
         BLOCK_D=padded_dim(problem.head_dim), BLOCK_DV=padded_dim(problem.head_dim_v),
         NEG_SCALE=scale < 0, HAS_WINDOW=problem.window is not None, CAUSAL=problem.causal,
