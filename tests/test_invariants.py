@@ -78,3 +78,49 @@ print("ok")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parent.parent)
     assert proc.stdout.strip() == "ok", proc.stdout + proc.stderr[-3000:]
+
+
+class _GradNudge(torch.autograd.Function):
+    """Identity whose gradient is scaled by 1 + 2⁻⁷·`factor()`, a value read at each backward."""
+
+    factor = staticmethod(lambda: 0)
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * (1 + 2**-7 * _GradNudge.factor())
+
+
+def _nudged_dq_model(nudge):
+    """bf16-model with its dq scaled by 1 + 2⁻⁷·nudge(deterministic, batch) in each call."""
+    model, _ = attention_fn("bf16-model")
+
+    def fn(q, k, v, q_offsets, kv_offsets, deterministic=False, **kwargs):
+        _GradNudge.factor = staticmethod(lambda: nudge(deterministic, len(kv_offsets) - 1))
+        return model(_GradNudge.apply(q), k, v, q_offsets, kv_offsets, deterministic=deterministic, **kwargs)
+
+    return fn
+
+
+def test_dq_order_moves_dq_batch_and_padding_checks_to_deterministic_runs():
+    """A backend whose default-mode dq changes from call to call (as TMA-reduce or atomic dq does) fails the
+    padding and batch checks, unless it declares `dq_order`: then dq is compared between deterministic=True
+    runs, where a dq that depends on the batch still fails."""
+    from itertools import count
+
+    from verify.invariants import check_all
+
+    ctx = case_context("empty_middle:0", "cpu")
+    assert ctx.problem.batch > 1 and not ctx.problem.broadcast_q
+    calls = count()
+    unordered = _nudged_dq_model(lambda deterministic, batch: 0 if deterministic else next(calls))
+    failed = {k for k, v in check_all(unordered, ctx).items() if v}
+    assert {"padding", "batch_permuted", "batch_alone"} <= failed and "deterministic" not in failed, failed
+    assert not any(check_all(unordered, ctx, {"dq_order": "unordered dq"}).values())
+    batch_variant = _nudged_dq_model(lambda deterministic, batch: int(batch == 1))  # another dq alone
+    findings = check_all(batch_variant, ctx, {"dq_order": "unordered dq"})
+    assert [k for k, v in findings.items() if v] == ["batch_alone"], findings
+    assert all(problem.startswith("dq of sequence") for problem in findings["batch_alone"])

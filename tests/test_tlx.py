@@ -86,10 +86,13 @@ def test_unavailable_reasons(monkeypatch):
     ((128, 128), 5, False, True, True), ((64, 64), 5, False, True, True), ((128, 128), 0, False, True, False),
     ((128, 128), 5, True, True, False), ((96, 96), 5, False, False, False), ((128, 64), 5, False, False, False),
     ((256, 256), 5, False, False, False)])
-def test_backward_is_the_triton_backward_with_the_tlx_passes(monkeypatch, dims, kv_rows, broadcast_q, dkv, dq):
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_backward_is_the_triton_backward_with_the_tlx_passes(monkeypatch, dims, kv_rows, broadcast_q, dkv, dq,
+                                                             deterministic):
     """The tlx backward is the Triton backend's, given the TLX dK/dV pass exactly where the TLX kernels cover
     the head dims (D = Dv in CONFIGS) and the TLX dQ pass where, besides, there are key rows (a TMA descriptor
-    needs one) and no broadcast_q."""
+    needs one) and no broadcast_q; without deterministic, where the dK/dV pass runs with key rows, that pass
+    adds dq itself (dq_in_dkv) and no dQ pass is given."""
     from types import SimpleNamespace
 
     from jfa.tlx import backend
@@ -98,11 +101,15 @@ def test_backward_is_the_triton_backward_with_the_tlx_passes(monkeypatch, dims, 
     seen = []
     monkeypatch.setattr(triton_backend.BACKEND, "backward",
                         lambda *args, **kwargs: seen.append((args, kwargs)) or "grads")
-    problem = SimpleNamespace(head_dim=dims[0], head_dim_v=dims[1], kv_rows=kv_rows, broadcast_q=broadcast_q)
+    problem = SimpleNamespace(head_dim=dims[0], head_dim_v=dims[1], kv_rows=kv_rows, broadcast_q=broadcast_q,
+                              deterministic=deterministic)
     args = ("dout", "q", "k", "v", "out", "lse", ("m", "l"), problem)
     assert backend.BACKEND.backward(*args) == "grads"
-    assert seen == [(args, {"dkv_pass": backend._launch_dkv if dkv else None,
-                            "dq_pass": backend._launch_dq if dq else None})]
+    if dkv and kv_rows and not deterministic:
+        assert seen == [(args, {"dkv_pass": backend._launch_dkv, "dq_in_dkv": True})]
+    else:
+        assert seen == [(args, {"dkv_pass": backend._launch_dkv if dkv else None,
+                                "dq_pass": backend._launch_dq if dq else None})]
 
 
 @pytest.fixture
@@ -188,6 +195,56 @@ def test_triton_backward_runs_a_given_dq_pass_instead_of_its_kernel(small_blocks
     assert (got[0][rows] == 3).all() and torch.equal(got[0][other], want[0][other])
     for g, w in zip(got[1:], want[1:], strict=True):  # dK/dV from the hook's D (torch's sum: a few ulps off)
         torch.testing.assert_close(g.float(), w.float(), rtol=2**-6, atol=2**-6)
+
+
+@pytest.mark.parametrize("broadcast_q", [False, True])
+def test_triton_backward_with_dq_in_dkv(small_blocks, broadcast_q):
+    """With `dq_in_dkv` the Triton backward runs no dQ pass: it computes D of every row (`_delta_kernel`),
+    hands the dK/dV pass a zeroed fp32 dq at the output rows (the packed sequences' rows already written
+    there), and rounds what the pass adds (summed over the sequences in order for broadcast_q) into dq."""
+    from jfa.tlx.backend import rows_of
+    from verify.runner import nan_filled_allocations
+
+    triton_backend = small_blocks
+    q_lens = [20] * 4 if broadcast_q else [150, 70, 0, 90, 20]
+    kv_lens = [120, 10, 0, 60] if broadcast_q else [120, 80, 30, 0, 20]
+    (q, k, v), problem = _problem(q_lens, kv_lens, hq=4, hkv=2, d=16, broadcast_q=broadcast_q)
+    out, lse, residuals = triton_backend.BACKEND.forward(q, k, v, problem)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    want = triton_backend.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem)
+    sched = triton_backend.device_schedule(problem, triton_backend.SMALL_BLOCKS).host
+    ordinary = np.unique(sched.dkv.entries[:, 0])
+    packed = sched.packed_bwd.seqs[sched.packed_bwd.seqs >= 0]
+    out_lens = np.asarray([q_lens[0]] * len(q_lens) if broadcast_q else q_lens)
+    rows = torch.from_numpy(rows_of(problem.out_offsets_host.numpy(), out_lens, ordinary))
+    packed_rows = torch.from_numpy(rows_of(problem.out_offsets_host.numpy(), out_lens, packed))
+    seen = []
+
+    def dkv_pass(q, k, v, dout, dk, dv, row_max, row_sum, delta, table, problem, dq):
+        seen.append((table, delta.clone(), dq.clone()))
+        dk.copy_(want[1])
+        dv.copy_(want[2])
+        dq[rows] += 0.25 * (rows.view(-1, 1, 1) % 7 + 1).float()  # what the pass adds, exact in fp32
+
+    def dq_pass(*args):
+        raise AssertionError("no dQ pass runs with dq_in_dkv")
+
+    with nan_filled_allocations():  # so that a dq left unzeroed shows
+        got = triton_backend.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass=dkv_pass,
+                                              dq_pass=dq_pass, dq_in_dkv=True)
+    assert len(seen) == 1 and seen[0][0] is sched.dkv and ordinary.size and packed.size
+    table, delta, partial = seen[0]
+    torch.testing.assert_close(delta, (dout.float() * out.float()).sum(-1).T, rtol=1e-6, atol=1e-6)
+    assert (partial[rows] == 0).all() and (partial[packed_rows] != 0).any()
+    partial[rows] += 0.25 * (rows.view(-1, 1, 1) % 7 + 1).float()
+    parts = partial.view(len(q_lens), q_lens[0], *partial.shape[1:]) if broadcast_q else partial[None]
+    expected = torch.zeros_like(parts[0])
+    for part in parts:  # in sequence order, as _dq_reduce_kernel adds
+        expected += part
+    assert torch.equal(got[0], expected.to(got[0].dtype))
+    if not broadcast_q:  # the packed rows, rounded once from fp32, are the ordinary backward's bits
+        assert torch.equal(got[0][packed_rows], want[0][packed_rows])
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
 
 
 def test_key_table_covers_the_ordinary_sequences_in_128_key_tiles():
@@ -286,14 +343,17 @@ def test_rows_of():
 def test_config_reports_the_path():
     from jfa.tlx.backend import BACKEND
 
-    _, problem = _problem([300, 20, 0], [250, 20, 3], causal=True)
+    _, problem = _problem([300, 20, 0], [250, 20, 3], causal=True, deterministic=True)
     info = BACKEND.config(problem)
     assert info["path"] == "tlx" and info["backward"] == "TLX dQ and dK/dV passes, Triton for tiny sequences"
+    reduce = BACKEND.config(_problem([300, 20, 0], [250, 20, 3], causal=True)[1])
+    assert reduce["backward"] == ("TLX dK/dV pass adding dq by TMA reduce (deterministic=False), Triton for "
+                                  "tiny sequences")
     assert info["schedule"] == "static zigzag"
     assert info["block_m"] == 128 and info["tiles"] == 3 * 4 and info["triton_sequences"] == 2
     other = BACKEND.config(_problem([30], [30], d=80)[1])
     assert other["path"] == "triton" and other["backward"] == "triton"
-    broadcast = BACKEND.config(_problem([300, 300], [250, 20], broadcast_q=True)[1])
+    broadcast = BACKEND.config(_problem([300, 300], [250, 20], broadcast_q=True, deterministic=True)[1])
     assert broadcast["backward"] == "triton, dK/dV pass by TLX"
     no_keys = BACKEND.config(_problem([300, 20], [0, 0])[1])
     assert no_keys["path"] == "fill" and no_keys["backward"] == "triton, dK/dV pass by TLX"

@@ -244,8 +244,17 @@ def tlx_dq(problem: Problem) -> bool:
     return tlx_dkv(problem) and problem.kv_rows > 0 and not problem.broadcast_q
 
 
+def tlx_dq_reduce(problem: Problem) -> bool:
+    """Whether the TLX dK/dV pass also produces dq, added by TMA reduce into an fp32 array (no dQ pass): for
+    deterministic=False where the dK/dV pass runs, with key rows (broadcast_q included: the reduce adds into
+    each sequence's partial rows, which the Triton reduction then sums in order)."""
+    return not problem.deterministic and tlx_dkv(problem) and problem.kv_rows > 0
+
+
 def backward_route(problem: Problem) -> str:
     """Which passes of the backward are TLX kernels (`config()["backward"]`)."""
+    if tlx_dq_reduce(problem):
+        return "TLX dK/dV pass adding dq by TMA reduce (deterministic=False), Triton for tiny sequences"
     if tlx_dq(problem):
         return "TLX dQ and dK/dV passes, Triton for tiny sequences"
     return "triton, dK/dV pass by TLX" if tlx_dkv(problem) else "triton"
@@ -322,10 +331,10 @@ def _statistics_descriptor(x: torch.Tensor):
     return TensorDescriptor(flat, shape=[flat.numel()], strides=[1], block_shape=[box])
 
 
-def _launch_dkv(q, k, v, dout, dk, dv, row_max, row_sum, delta, triton_table, problem: Problem) -> None:
+def _launch_dkv(q, k, v, dout, dk, dv, row_max, row_sum, delta, triton_table, problem: Problem, dq=None) -> None:
     """The TLX dK/dV pass (`jfa.tlx.backward`) over the sequences of the Triton dK/dV tile table; D (delta) is
     the dQ pass's. The three statistics share one layout ([Hq, rows], contiguous, as both forwards and the
-    Triton backward allocate them)."""
+    Triton backward allocate them). `dq` (fp32 [out rows, Hq, D], contiguous): the pass adds dq there too."""
     from jfa.triton.backend import effective_window, scale_log2
 
     device = q.device
@@ -337,19 +346,27 @@ def _launch_dkv(q, k, v, dout, dk, dv, row_max, row_sum, delta, triton_table, pr
     desc_k, sk_h = _descriptor(k, BWD_BLOCK_N // 2)
     desc_v, sv_h = _descriptor(v, BWD_BLOCK_N // 2)
     desc_m, desc_l, desc_delta = (_statistics_descriptor(x) for x in (row_max, row_sum, delta))
+    desc_dq = None
+    if dq is not None:  # boxes of one 64-row block × half a head's columns, at column head·D + c·D/2
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        width = dq.shape[1] * dq.shape[2]
+        desc_dq = TensorDescriptor(dq.view(dq.shape[0], width), shape=[dq.shape[0], width], strides=[width, 1],
+                                   block_shape=[BWD_BLOCK_M, problem.head_dim // 2])
     n_tiles = table.n_tiles
     problem.confirm()
     programs = _persistent_programs(n_tiles, device)
     scale = problem.sm_scale
     kernel[(programs,)](
-        desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, dk, dv,
+        desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, desc_dq, dk, dv,
         _table_on(table, copies, device), n_tiles, problem.q_offsets, problem.out_offsets, problem.kv_offsets,
-        sq_h, sdo_h, sk_h, sv_h, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), row_max.stride(0),
+        sq_h, sdo_h, sk_h, sv_h, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        0 if dq is None else problem.head_dim, row_max.stride(0),
         q.shape[0], dout.shape[0], k.shape[0], scale_log2(problem), scale, window,
         problem.kv_heads, problem.group_size,
         HEAD_DIM=problem.head_dim, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, BUFFERS=BWD_BUFFERS,
-        NEG_SCALE=scale < 0, HAS_WINDOW=problem.window is not None, CAUSAL=problem.causal, num_warps=NUM_WARPS,
-        num_stages=1,
+        NEG_SCALE=scale < 0, HAS_WINDOW=problem.window is not None, CAUSAL=problem.causal, DQ_REDUCE=dq is not None,
+        num_warps=NUM_WARPS, num_stages=1,
     )
 
 
@@ -406,6 +423,11 @@ class TlxBackend:
             return f"no TLX kernel for sm_{arch} yet (kernels: {have})"
         return None
 
+    def invariance_waivers(self, device: torch.device) -> dict[str, str]:
+        """dq_order: without deterministic=True the TLX dK/dV pass adds dq by TMA reduce, in no fixed order."""
+        return {"dq_order": "deterministic=False adds dq by TMA reduce in no fixed order: dq's padding and batch "
+                            "checks compare deterministic=True calls"}
+
     def config(self, problem: Problem) -> dict:
         """Which path a call takes and why; for the TLX path its kernel config and tile counts."""
         plan = host_plan(problem, pack_block_for(problem))
@@ -441,6 +463,8 @@ class TlxBackend:
         dK/dV passes replaced by the TLX kernels where those cover the problem (`tlx_dq`, `tlx_dkv`)."""
         from jfa.triton.backend import BACKEND as TRITON
 
+        if tlx_dq_reduce(problem):
+            return TRITON.backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass=_launch_dkv, dq_in_dkv=True)
         return TRITON.backward(dout, q, k, v, out, lse, residuals, problem,
                                dkv_pass=_launch_dkv if tlx_dkv(problem) else None,
                                dq_pass=_launch_dq if tlx_dq(problem) else None)

@@ -56,7 +56,7 @@ import triton.language.extra.tlx as tlx
 from jfa.block_info import q_block_range
 from jfa.mask import visible
 from jfa.softmax import backward_row_stats, raw_scores, shifted_exp2
-from jfa.tlx.forward import _load_tiles, _rounds, _tile, _tile_round, query_ring_barriers
+from jfa.tlx.forward import CONSUMER_THREADS, _load_tiles, _rounds, _tile, _tile_round, query_ring_barriers
 from jfa.triton.forward import sequence_bounds
 
 # Per consumer thread: the dk and dv accumulators alone take 128 (64 keys × D 128 × 2 in fp32 over 128
@@ -124,13 +124,43 @@ def _load_blocks(desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, q_
                 count += 1
 
 
+# Named barrier (ids 9 and 10 are the forward's): both consumers' dSᵀ halves of a block are in shared memory.
+DS_READY = tl.constexpr(11)
+
+
+@triton.jit
+def _reduce_dq(dst, ds_tiles, dq_stage, k_tiles, desc_dq, count, row, column0, sm_scale, cid: tl.constexpr,
+               HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    """dq += dS·K of one query block, consumer `cid`'s half of the columns (the split of FlashAttention-3's
+    Hopper backward: each consumer's registers hold 64 rows × D/2 of dq, not 64 × D beside dk and dv). The
+    block's dSᵀ halves (one per consumer) meet in shared memory, double-buffered by block so a consumer one
+    block ahead never overwrites what the other's product still reads; the product, times the scale, goes
+    through a staging buffer to a TMA reduce-add into the fp32 dq at (row, column0 + cid·D/2)."""
+    COLS: tl.constexpr = HEAD_DIM // 2
+    ds_slot = (count % 2) * 2
+    tlx.local_store(ds_tiles[ds_slot + cid], dst)
+    tlx.fence("async_shared")
+    tlx.named_barrier_wait(DS_READY, CONSUMER_THREADS)
+    dq = tlx.async_dot(tlx.local_trans(ds_tiles[ds_slot]), tlx.local_slice(k_tiles[0], [0, cid * COLS], [HALF, COLS]))
+    dq = tlx.async_dot(tlx.local_trans(ds_tiles[ds_slot + 1]),
+                       tlx.local_slice(k_tiles[1], [0, cid * COLS], [HALF, COLS]), dq)
+    dq = tlx.async_dot_wait(0, dq)
+    tlx.async_descriptor_store_wait(0)  # the previous block's reduce has read the staging buffer
+    tlx.local_store(dq_stage[cid], dq * sm_scale)
+    tlx.fence("async_shared")
+    tlx.async_descriptor_store(desc_dq, dq_stage[cid], [row, column0 + cid * COLS], store_reduce="add")
+
+
 @triton.jit
 def _accumulate_tiles(q_tiles, do_tiles, k_tiles, v_tiles, m_tiles, l_tiles, delta_tiles, q_full, q_empty, kv_full,
-                      kv_empty, DK, DV, tiles, n_tiles, q_offsets, out_offsets, kv_offsets, sdk_t, sdk_h, sdv_t,
-                      sdv_h, stat_h, scale_log2, sm_scale, window, n_kv_heads, group, cid: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BUFFERS: tl.constexpr,
-                      NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
-    """Consumer `cid`: dk and dv of keys [cid·64, cid·64 + 64) of every tile of this program."""
+                      kv_empty, ds_tiles, dq_stage, desc_dq, DK, DV, tiles, n_tiles, q_offsets, out_offsets,
+                      kv_offsets, sdk_t, sdk_h, sdv_t, sdv_h, sdq_h, stat_h, scale_log2, sm_scale, window, n_kv_heads,
+                      group, cid: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BUFFERS: tl.constexpr, NEG_SCALE: tl.constexpr,
+                      HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, DQ_REDUCE: tl.constexpr):
+    """Consumer `cid`: dk and dv of keys [cid·64, cid·64 + 64) of every tile of this program; with DQ_REDUCE
+    also columns [cid·D/2, cid·D/2 + D/2) of every query block's dq over the tile's 128 keys, added into the
+    fp32 dq behind `desc_dq` by TMA reduce."""
     HALF: tl.constexpr = BLOCK_N // 2
     DT: tl.constexpr = DK.dtype.element_ty
     pid = tl.program_id(0)
@@ -173,31 +203,41 @@ def _accumulate_tiles(q_tiles, do_tiles, k_tiles, v_tiles, m_tiles, l_tiles, del
                 # D of rows past the sequence may never have been written (a packed sequence's rows, whose D
                 # stays in the packed kernel): 0 there, since 0 · NaN would poison dk.
                 delta = tl.where(row_ok, tlx.local_gather(delta_tiles[slot], stat_at, 0), 0.0)
-                dst = pt * (dpt - delta[None, :])
-                dk = tlx.async_dot(dst.to(DT), q_tiles[slot], dk)
+                dst = (pt * (dpt - delta[None, :])).to(DT)
+                dk = tlx.async_dot(dst, q_tiles[slot], dk)
+                if DQ_REDUCE:
+                    _reduce_dq(dst, ds_tiles, dq_stage, k_tiles, desc_dq, count, out_start + m,
+                               head * sdq_h, sm_scale, cid, HEAD_DIM, HALF)
                 dv = tlx.async_dot_wait(0, dv)
                 dk = tlx.async_dot_wait(0, dk)
                 tlx.barrier_arrive(q_empty[slot], 1)
                 count += 1
-        tlx.barrier_arrive(kv_empty[cid], 1)  # every MMA reading this tile's K and V has retired
+        if DQ_REDUCE:  # the other consumer's dq products read this consumer's K half too
+            tlx.barrier_arrive(kv_empty[0], 1)
+            tlx.barrier_arrive(kv_empty[1], 1)
+        else:
+            tlx.barrier_arrive(kv_empty[cid], 1)  # every MMA reading this tile's K and V has retired
         key_ok = (keys < kv_len)[:, None]
         dk_rows = tl.cast(kv_start + keys, tl.int64) * sdk_t + tl.cast(kv_head, tl.int64) * sdk_h
         dv_rows = tl.cast(kv_start + keys, tl.int64) * sdv_t + tl.cast(kv_head, tl.int64) * sdv_h
         tl.store(DK + dk_rows[:, None] + offs_d[None, :], (dk * sm_scale).to(DT), mask=key_ok)
         tl.store(DV + dv_rows[:, None] + offs_d[None, :], dv.to(DT), mask=key_ok)
+    if DQ_REDUCE:
+        tlx.async_descriptor_store_wait(0)  # the last reduce has read the staging buffer before the CTA exits
 
 
 @triton.jit(do_not_specialize=["n_tiles", "n_kv_heads", "group", "window", "stat_h", "q_rows", "out_rows",
                                "kv_rows"])
 def dkv_ws_kernel(
-    desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, DK, DV,
+    desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, desc_dq, DK, DV,
     tiles, n_tiles, q_offsets, out_offsets, kv_offsets,
-    sq_h, sdo_h, sk_h, sv_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, q_rows, out_rows, kv_rows,
+    sq_h, sdo_h, sk_h, sv_h, sdk_t, sdk_h, sdv_t, sdv_h, sdq_h, stat_h, q_rows, out_rows, kv_rows,
     scale_log2, sm_scale, window, n_kv_heads, group,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BUFFERS: tl.constexpr,
-    NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+    NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, DQ_REDUCE: tl.constexpr,
 ):
-    """Persistent warp-specialised dK/dV over the key tiles of `tiles` (int32 [n_entries, 2]: sequence, n0)."""
+    """Persistent warp-specialised dK/dV over the key tiles of `tiles` (int32 [n_entries, 2]: sequence, n0);
+    with DQ_REDUCE also dq, added into the fp32 [out rows, Hq·D] view behind `desc_dq` (None without)."""
     HALF: tl.constexpr = BLOCK_N // 2
     DT: tl.constexpr = tlx.dtype_of(desc_q)
     k_tiles = tlx.local_alloc((HALF, HEAD_DIM), DT, 2)  # consumer c's keys in slot c
@@ -208,9 +248,14 @@ def dkv_ws_kernel(
     l_tiles = tlx.local_alloc((2 * BLOCK_M,), tl.float32, BUFFERS)
     delta_tiles = tlx.local_alloc((2 * BLOCK_M,), tl.float32, BUFFERS)
     kv_full = tlx.alloc_barriers(num_barriers=2, arrive_count=1)
-    kv_empty = tlx.alloc_barriers(num_barriers=2, arrive_count=1)
+    kv_empty = tlx.alloc_barriers(num_barriers=2, arrive_count=2 if DQ_REDUCE else 1)
     q_full = tlx.alloc_barriers(num_barriers=BUFFERS, arrive_count=1)
     q_empty = tlx.alloc_barriers(num_barriers=BUFFERS, arrive_count=2)
+    ds_tiles = None
+    dq_stage = None
+    if DQ_REDUCE:
+        ds_tiles = tlx.local_alloc((HALF, BLOCK_M), DT, 4)  # block parity p, consumer c: slot 2p + c
+        dq_stage = tlx.local_alloc((BLOCK_M, HEAD_DIM // 2), tl.float32, 2)  # one per consumer
     with tlx.async_tasks():
         with tlx.async_task("default"):
             _load_blocks(desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, q_tiles, do_tiles, k_tiles,
@@ -219,10 +264,10 @@ def dkv_ws_kernel(
                          kv_rows, window, n_kv_heads, group, HEAD_DIM, BLOCK_M, BLOCK_N, BUFFERS, HAS_WINDOW, CAUSAL)
         with tlx.async_task(num_warps=4, registers=CONSUMER_REGISTERS, replicate=2):
             _accumulate_tiles(q_tiles, do_tiles, k_tiles, v_tiles, m_tiles, l_tiles, delta_tiles, q_full, q_empty,
-                              kv_full, kv_empty, DK, DV, tiles, n_tiles, q_offsets, out_offsets, kv_offsets, sdk_t,
-                              sdk_h, sdv_t, sdv_h, stat_h, scale_log2, sm_scale, window, n_kv_heads, group,
-                              tlx.async_task_replica_id(), HEAD_DIM, BLOCK_M, BLOCK_N, BUFFERS, NEG_SCALE,
-                              HAS_WINDOW, CAUSAL)
+                              kv_full, kv_empty, ds_tiles, dq_stage, desc_dq, DK, DV, tiles, n_tiles, q_offsets,
+                              out_offsets, kv_offsets, sdk_t, sdk_h, sdv_t, sdv_h, sdq_h, stat_h, scale_log2,
+                              sm_scale, window, n_kv_heads, group, tlx.async_task_replica_id(), HEAD_DIM, BLOCK_M,
+                              BLOCK_N, BUFFERS, NEG_SCALE, HAS_WINDOW, CAUSAL, DQ_REDUCE)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ Hopper CTA can have). Exits 1 on any failure.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import sys
@@ -51,19 +52,24 @@ def forward_kernel(dtype: str, d: int, causal: bool, window: bool, neg: bool):
     return "fwd_ws_kernel", constexprs, types, f"q_buf={cfg.q_buffers} kv_buf={cfg.kv_buffers}"
 
 
-def backward_kernel(dtype: str, d: int, causal: bool, window: bool, neg: bool):
-    """(kernel name, constexprs, signature arguments, label) of a `dkv_ws_kernel` configuration."""
+def backward_kernel(dtype: str, d: int, causal: bool, window: bool, neg: bool, dq_reduce: bool = False):
+    """(kernel name, constexprs, signature arguments, label) of a `dkv_ws_kernel` configuration; `dq_reduce`:
+    the variant that also adds dq into an fp32 array by TMA reduce."""
     from jfa.tlx.backend import BWD_BLOCK_M, BWD_BLOCK_N, BWD_BUFFERS
 
     constexprs = dict(HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, BUFFERS=BWD_BUFFERS, NEG_SCALE=neg,
-                      HAS_WINDOW=window, CAUSAL=causal)
+                      HAS_WINDOW=window, CAUSAL=causal, DQ_REDUCE=dq_reduce)
     descriptors = {"desc_q": f"{dtype}[{BWD_BLOCK_M},{d}]", "desc_do": f"{dtype}[{BWD_BLOCK_M},{d}]",
                    "desc_k": f"{dtype}[{BWD_BLOCK_N // 2},{d}]", "desc_v": f"{dtype}[{BWD_BLOCK_N // 2},{d}]",
                    **{name: f"fp32[{2 * BWD_BLOCK_M}]" for name in ("desc_m", "desc_l", "desc_delta")}}
+    if dq_reduce:
+        descriptors["desc_dq"] = f"fp32[{BWD_BLOCK_M},{d // 2}]"
+    else:
+        constexprs["desc_dq"] = None
     pointers = {"DK": dtype, "DV": dtype, **_INDEX_POINTERS}
     types = (descriptors, pointers, ("scale_log2", "sm_scale"),
-             ("sq_h", "sdo_h", "sk_h", "sv_h", "sdk_t", "sdk_h", "sdv_t", "sdv_h"))
-    return "dkv_ws_kernel", constexprs, types, f"buf={BWD_BUFFERS}"
+             ("sq_h", "sdo_h", "sk_h", "sv_h", "sdk_t", "sdk_h", "sdv_t", "sdv_h", "sdq_h"))
+    return "dkv_ws_kernel", constexprs, types, f"buf={BWD_BUFFERS}" + (" dq_reduce" if dq_reduce else "")
 
 
 def dq_kernel(dtype: str, d: int, causal: bool, window: bool, neg: bool):
@@ -116,6 +122,7 @@ def compile_all(quick: bool = False) -> bool:
         ptxas = get_ptxas(arch).path
         print(f"sm_{arch}: {KERNELS[arch]}, {BWD_KERNELS[arch]}; triton {triton.__version__}, {ptxas}")
         for module, kernel_config in ((KERNELS[arch], forward_kernel), (BWD_KERNELS[arch], backward_kernel),
+                                      (BWD_KERNELS[arch], functools.partial(backward_kernel, dq_reduce=True)),
                                       (BWD_KERNELS[arch], dq_kernel)):
             for d, dtype, causal, window, neg in variants(quick):
                 name, constexprs, types, config = kernel_config(dtype, d, causal, window, neg)

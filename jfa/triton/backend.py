@@ -352,13 +352,19 @@ def forward(q, k, v, problem: Problem):
     return out, lse, (row_max, row_sum)
 
 
-def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None, dq_pass=None):
+def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None, dq_pass=None,
+             dq_in_dkv: bool = False):
     """dq, dk, dv. `dkv_pass`, if given, runs the dK/dV pass of the ordinary sequences in place of
     `_dkv_kernel` (the tlx backend's kernel does): dkv_pass(q, k, v, dout, dk, dv, row_max, row_sum, delta,
     table, problem), called after the dQ pass has stored D, with `table` the dK/dV tile table this pass would
     have run (its sequences are the ones to do). `dq_pass` likewise replaces `_dq_kernel` without broadcast_q:
     dq_pass(q, k, v, out, dout, dq, row_max, row_sum, delta, table, problem) stores dq and D of the sequences
-    of the dQ tile table `table`."""
+    of the dQ tile table `table`.
+
+    `dq_in_dkv` (with `dkv_pass`): the dK/dV pass also adds the ordinary sequences' dq, times the scale, into
+    a zeroed fp32 dq at the output rows (the broadcast_q partial layout, whichever the batch), given to it
+    as `dq=`; `_delta_kernel` computes D first and no dQ pass runs; the packed and short-query kernels write
+    their fp32 rows there too, and `_dq_reduce_kernel` rounds (and for broadcast_q adds) them into dq."""
     row_max, row_sum = residuals
     device = q.device
     dq = torch.empty(q.shape, dtype=q.dtype, device=device)
@@ -371,8 +377,11 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
     config = config_for(problem)
     sched = device_schedule(problem, config)
     schedule = schedule_mode()
-    partial = problem.broadcast_q
-    dq_target = torch.empty(rows, hq, problem.head_dim, dtype=torch.float32, device=device) if partial else dq
+    partial = problem.broadcast_q or dq_in_dkv
+    dq_target = dq
+    if partial:  # zeroed for dq_in_dkv: its dK/dV pass adds into the rows
+        dq_target = (torch.zeros if dq_in_dkv else torch.empty)(rows, hq, problem.head_dim, dtype=torch.float32,
+                                                                 device=device)
     delta = torch.empty(hq, rows, dtype=torch.float32, device=device)
     args = dict(
         Q=q, K=k, V=v, DOut=dout, RowMax=row_max, RowSum=row_sum,
@@ -400,7 +409,12 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
                 sdv_h=dv.stride(1), n_heads=hq, BLOCK_M=config.short_bwd.block_m, BLOCK_N=config.short_bwd.block_n,
                 DQ_PARTIAL=partial, **args)
     table = sched.host.dq
-    if table.n_tiles and dq_pass is not None and not partial:
+    if dq_in_dkv:
+        block = 64
+        bwd_kernels._delta_kernel[(triton.cdiv(rows, block), hq)](
+            out, dout, delta, rows, *out.stride(), *dout.stride(), delta.stride(0), HEAD_DIM_V=problem.head_dim_v,
+            BLOCK_DV=padded_dim(problem.head_dim_v), BLOCK=block, num_warps=4)
+    elif table.n_tiles and dq_pass is not None and not partial:
         dq_pass(q, k, v, out, dout, dq, row_max, row_sum, delta, table, problem)
     elif table.n_tiles:
         n = table.n_tiles
@@ -410,7 +424,8 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
                 n_heads=hq, BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n, DQ_PARTIAL=partial, **args)
     table = sched.host.dkv
     if table.n_tiles and dkv_pass is not None:
-        dkv_pass(q, k, v, dout, dk, dv, row_max, row_sum, delta, table, problem)
+        dkv_pass(q, k, v, dout, dk, dv, row_max, row_sum, delta, table, problem,
+                 **({"dq": dq_target} if dq_in_dkv else {}))
     elif table.n_tiles:
         n = table.n_tiles
         _launch(bwd_kernels._dkv_kernel, config.dkv, _programs(n, config.dkv, schedule, device),
@@ -422,8 +437,8 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
         if n_elem:
             block = 512
             bwd_kernels._dq_reduce_kernel[(triton.cdiv(n_elem, block),)](
-                dq_target, dq, problem.batch, n_elem, BLOCK=block, UNROLL=8, INTERPRET=interpreting(),
-                num_warps=4)
+                dq_target, dq, problem.batch if problem.broadcast_q else 1, n_elem, BLOCK=block, UNROLL=8,
+                INTERPRET=interpreting(), num_warps=4)
     return dq, dk, dv
 
 
@@ -497,9 +512,10 @@ class TritonBackend:
         with _on_device(q.device):
             return forward(q, k, v, problem)
 
-    def backward(self, dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None, dq_pass=None):
+    def backward(self, dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None, dq_pass=None,
+                 dq_in_dkv: bool = False):
         with _on_device(q.device):
-            return backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass, dq_pass)
+            return backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass, dq_pass, dq_in_dkv)
 
 
 BACKEND = TritonBackend()

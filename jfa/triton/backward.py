@@ -26,6 +26,9 @@ tile in one program: dq per head, dk and dv summed over the group's heads.
 broadcast_q: dq of the shared query sequence is the sum over the B sequences. Each sequence's dq is
 written as an fp32 partial at its output rows ([out_rows, Hq, D] fp32, i.e. O(T·H·D) extra memory), and
 `_dq_reduce_kernel` adds the partials in sequence order (deterministic) and rounds once.
+
+A dK/dV pass that also produces dq (the tlx backend's, given `dq_in_dkv` in `jfa.triton.backend.backward`)
+needs D before any dq pass: `_delta_kernel` computes it for every output row, as the dQ kernel does.
 """
 
 from __future__ import annotations
@@ -497,3 +500,19 @@ def _dq_reduce_kernel(Part, DQ, n_seqs, n_elem, BLOCK: tl.constexpr, UNROLL: tl.
             in_batch = (offs * 0 + b) < n_seqs  # a vector: the interpreter rejects scalar & vector masks
             acc += tl.load(Part + b * n_elem + offs, mask=ok & in_batch, other=0.0)
     tl.store(DQ + offs, stored(acc, DT, INTERPRET), mask=ok)
+
+
+@triton.jit
+def _delta_kernel(Out, DOut, Delta, rows, so_t, so_h, so_d, sdo_t, sdo_h, sdo_d, stat_h, HEAD_DIM_V: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr):
+    """Delta[h, r] = rowsum(dO∘O) of output row r, head h = program_id(1), from the rounded output (as
+    `_query_rows` computes it for the dQ pass)."""
+    offs_r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_DV)
+    row_ok = offs_r < rows
+    ok = row_ok[:, None] & (offs_d < HEAD_DIM_V)[None, :]
+    rows64 = tl.cast(offs_r, tl.int64)[:, None]
+    o = tl.load(Out + rows64 * so_t + head * so_h + offs_d[None, :] * so_d, mask=ok, other=0.0)
+    do = tl.load(DOut + rows64 * sdo_t + head * sdo_h + offs_d[None, :] * sdo_d, mask=ok, other=0.0)
+    tl.store(Delta + head * stat_h + offs_r, tl.sum(do.to(tl.float32) * o.to(tl.float32), 1), mask=row_ok)
