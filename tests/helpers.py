@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from jfa.validation import validate
@@ -27,6 +28,13 @@ def jagged_inputs(q_lens, kv_lens, q_heads=2, kv_heads=1, head_dim=8, head_dim_v
     dout = torch.randn(out_rows, q_heads, head_dim_v, generator=gen).to(dtype)
     q_off = None if broadcast_q else offsets(q_lens)
     return q, k, v, q_off, offsets(kv_lens), dout
+
+
+def rows_of(offsets: np.ndarray, lens: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+    """int64 row indices of the listed sequences, in order (offsets [B+1], lens [B])."""
+    counts = lens[seqs]
+    first = np.repeat(offsets[seqs] - (np.cumsum(counts) - counts), counts)
+    return first + np.arange(int(counts.sum()), dtype=np.int64)
 
 
 def problem_of(q, k, v, q_off, kv_off, **kwargs):

@@ -7,7 +7,6 @@ The kernel itself needs an sm_90 GPU: `python -m jfa.tlx.gpu_selftest` checks it
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from jfa import tile_scheduler as ts  # noqa: E402
-from tests.helpers import interpreter_unavailable, jagged_inputs, problem_of  # noqa: E402
+from tests.helpers import interpreter_unavailable, jagged_inputs, problem_of, rows_of  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACK = 64  # the Triton backend's packed tile at D <= 128 on the GPU
@@ -143,7 +142,6 @@ def _hook_case(triton_backend):
 def test_triton_backward_runs_a_given_dkv_pass_instead_of_its_kernel(small_blocks):
     """With `dkv_pass` the Triton backward leaves dk and dv of the ordinary sequences to it: called once, after
     the dQ pass has stored D for their rows, with the dK/dV tile table; dq is the same as without it."""
-    from jfa.tlx.backend import rows_of
     from verify.runner import nan_filled_allocations
 
     q, k, v, problem, out, lse, residuals, dout, want, host = _hook_case(small_blocks)
@@ -174,7 +172,6 @@ def test_triton_backward_runs_a_given_dkv_pass_instead_of_its_kernel(small_block
 def test_triton_backward_runs_a_given_dq_pass_instead_of_its_kernel(small_blocks):
     """With `dq_pass` (and no broadcast_q) the Triton backward leaves dq and D of the ordinary sequences to it:
     called once with the dQ tile table and the dq output, before the dK/dV pass, which reads the D it stored."""
-    from jfa.tlx.backend import rows_of
 
     q, k, v, problem, out, lse, residuals, dout, want, host = _hook_case(small_blocks)
     table = host.dq
@@ -202,7 +199,6 @@ def test_triton_backward_with_dq_in_dkv(small_blocks, broadcast_q):
     """With `dq_in_dkv` the Triton backward runs no dQ pass: it computes D of every row (`_delta_kernel`),
     hands the dK/dV pass a zeroed fp32 dq at the output rows (the packed sequences' rows already written
     there), and rounds what the pass adds (summed over the sequences in order for broadcast_q) into dq."""
-    from jfa.tlx.backend import rows_of
     from verify.runner import nan_filled_allocations
 
     triton_backend = small_blocks
@@ -304,7 +300,7 @@ def test_route_broadcast_q():
 def test_plan_covers_every_row_once(causal, window):
     """TLX tiles (block_m rows × every query head) plus the tiny sub-batch cover each output row exactly
     once; tiles are the scheduler's query tiles of the non-tiny sequences, sorted by work."""
-    from jfa.tlx.backend import CONFIGS, host_plan, rows_of
+    from jfa.tlx.backend import CONFIGS, host_plan
 
     rng = np.random.default_rng(3)
     q_lens = [0, 1, 64, 65, 128, 129, 700, 3, 0, 4096] + [int(x) for x in rng.integers(0, 300, 30)]
@@ -331,7 +327,6 @@ def test_plan_covers_every_row_once(causal, window):
 
 
 def test_rows_of():
-    from jfa.tlx.backend import rows_of
 
     off = np.array([0, 3, 3, 10, 12])
     lens = np.diff(off)
@@ -412,31 +407,41 @@ def test_fill_and_none_paths_launch_nothing():
 
 
 @pytest.mark.parametrize("broadcast_q", [False, True])
-def test_tiny_sub_batch_matches_triton_bitwise(broadcast_q):
-    """The tiny sequences of a mixed batch, gathered into a sub-batch, get exactly the Triton forward's bits
-    for the whole batch; the other rows are left to the TLX kernel (untouched here)."""
+def test_forward_is_the_triton_forward_with_the_tlx_kernel(monkeypatch, broadcast_q):
+    """The tlx forward of a mixed batch is the Triton forward with the TLX kernel as its `fwd_pass`: the
+    kernel is launched once with the plan whose tiles cover the ordinary sequences (those of the Triton
+    forward's own tile table), the tiny sequences get exactly the Triton forward's bits from its packed kernel
+    in place, and nothing else writes the ordinary sequences' rows."""
     reason = interpreter_unavailable()
     if reason:
         pytest.skip(reason)
     from jfa.tlx import backend
     from jfa.triton import backend as triton_backend
 
-    q_lens = [20] * 5 if broadcast_q else [0, 20, 70, 3, 33, 0, 40]
-    kv_lens = [0, 50, 70, 3, 30] if broadcast_q else [5, 20, 65, 0, 33, 2, 90]
-    (q, k, v), problem = _problem(q_lens, kv_lens, hq=4, hkv=2, d=16, causal=True, broadcast_q=broadcast_q)
-    pack = backend.pack_block_for(problem)
-    tiny = ts.split_packable(q_lens, kv_lens, pack)[1]
-    rows, hq = problem.out_rows, problem.q_heads
-    out = torch.full((rows, hq, 16), math.nan, dtype=q.dtype)
-    lse, row_max, row_sum = (torch.full((hq, rows), math.nan) for _ in range(3))
-    backend._forward_tiny(q, k, v, out, lse, row_max, row_sum, tiny, problem)
+    q_lens = [20] * 5 if broadcast_q else [0, 20, 70, 3, 33, 0, 40, 130]
+    kv_lens = [0, 50, 70, 3, 30] if broadcast_q else [5, 20, 65, 0, 33, 2, 90, 129]
+    # D 64: a head dim the TLX kernel takes (the call routes to it), whose packed tile is 64 rows.
+    (q, k, v), problem = _problem(q_lens, kv_lens, hq=4, hkv=2, d=64, causal=True, broadcast_q=broadcast_q)
     want_out, want_lse, (want_max, want_sum) = triton_backend.BACKEND.forward(q, k, v, problem)
-    idx = torch.from_numpy(backend.rows_of(problem.out_offsets_host.numpy(), np.asarray(q_lens), tiny))
-    other = torch.ones(rows, dtype=torch.bool)
-    other[idx] = False
-    assert torch.equal(out[idx], want_out[idx]) and torch.isnan(out[other]).all()
+    launches = []
+
+    def launch_tlx(q, k, v, out, lse, row_max, row_sum, plan, problem):
+        launches.append(plan)
+        for x in (out, lse, row_max, row_sum):
+            x.fill_(7.0)
+
+    monkeypatch.setattr(backend, "_launch_tlx", launch_tlx)
+    out, lse, (row_max, row_sum) = backend.BACKEND.forward(q, k, v, problem)
+    plan = backend.host_plan(problem, backend.pack_block_for(problem))
+    table = triton_backend.device_schedule(problem, triton_backend.config_for(problem)).host.fwd
+    assert plan.path == "tlx" and plan.tiny.size and launches == [plan]
+    assert set(np.unique(plan.tiles.entries[:, 0])) == set(np.unique(table.entries[:, 0]))
+    tiny = torch.from_numpy(rows_of(problem.out_offsets_host.numpy(), np.asarray(q_lens), plan.tiny))
+    ordinary = torch.ones(problem.out_rows, dtype=torch.bool)
+    ordinary[tiny] = False
+    assert torch.equal(out[tiny], want_out[tiny]) and (out[ordinary] == 7).all()
     for got, want in ((lse, want_lse), (row_max, want_max), (row_sum, want_sum)):
-        assert torch.equal(got[:, idx], want[:, idx]) and torch.isnan(got[:, other]).all()
+        assert torch.equal(got[:, tiny], want[:, tiny]) and (got[:, ordinary] == 7).all()
 
 
 # ---------------------------------------------------------------------------------------------------------

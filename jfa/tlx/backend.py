@@ -4,9 +4,10 @@ for what they do not cover.
 Paths (`BACKEND.config(problem)["path"]` names the one a call takes; the verify suite records it):
 - "tlx": the kernel of `jfa.tlx.forward` (TMA producer, two ping-pong wgmma consumers, persistent over a
   zigzag-dealt tile table sorted by key-block work) for every sequence longer than the Triton backend's
-  packed tile (64 at these head dims). Tiny sequences, if the batch has any, are gathered into a sub-batch
-  and run through the Triton forward, whose packed tiles serve them far better than 128-row tiles. Which
-  kernel a sequence gets depends on its own lengths only, so it gets the same bits alone and in any batch.
+  packed tile (64 at these head dims), given to the Triton forward as its `fwd_pass`: tiny sequences, if the
+  batch has any, run through its packed kernel, in place on the caller's tensors, whose packed tiles serve
+  them far better than 128-row tiles. Which kernel a sequence gets depends on its own lengths only, so it
+  gets the same bits alone and in any batch.
 - "triton": the whole call through `jfa.triton.backend` when the TLX kernel does not cover it: head dims
   other than D = Dv in {64, 128} (80, 96, 192, 256, Dv != D), or a batch whose sequences are all tiny.
 - "fill": no key rows at all: every row is empty (out 0, lse -inf, m -inf, l 0); nothing is launched.
@@ -29,8 +30,8 @@ stock triton.
 
 Inputs are read through TMA descriptors straight from the caller's tensors when their layout allows it
 (unit head-dim stride, 16-byte aligned base and row stride; fused-QKV slices qualify); otherwise from a
-contiguous copy. Memory beyond inputs and outputs: m and l, the tile tables (O(T) int32) and, for mixed
-batches, the gathered tiny sub-batch; the backward's are the Triton backward's.
+contiguous copy. Memory beyond inputs and outputs: m and l and the tile tables (O(T·H) fp32 and O(T) int32);
+the backward's are the Triton backward's.
 """
 
 from __future__ import annotations
@@ -97,13 +98,6 @@ def route(problem: Problem, pack_block: int) -> tuple[str, str]:
     if main.size == 0:
         return "triton", f"every sequence is tiny (longest <= {pack_block}): Triton's packed tiles"
     return "tlx", "warp-specialised TLX kernel"
-
-
-def rows_of(offsets: np.ndarray, lens: np.ndarray, seqs: np.ndarray) -> np.ndarray:
-    """int64 row indices of the listed sequences, in order (offsets [B+1], lens [B])."""
-    counts = lens[seqs]
-    first = np.repeat(offsets[seqs] - (np.cumsum(counts) - counts), counts)
-    return first + np.arange(int(counts.sum()), dtype=np.int64)
 
 
 def descriptor_layout(x: torch.Tensor) -> tuple[list[int], list[int]] | None:
@@ -370,40 +364,9 @@ def _launch_dkv(q, k, v, dout, dk, dv, row_max, row_sum, delta, triton_table, pr
     )
 
 
-def _forward_tiny(q, k, v, out, lse, row_max, row_sum, tiny: np.ndarray, problem: Problem) -> None:
-    """The Triton forward on the sub-batch of the tiny sequences, scattered back into the outputs."""
-    from jfa.triton.backend import BACKEND as TRITON
-    from jfa.validation import validate
-
-    problem.confirm()  # the row indices below come from the problem's offsets
-    device = q.device
-    q_lens, kv_lens = problem.q_lens.numpy(), problem.kv_lens.numpy()
-
-    def index(offsets: torch.Tensor, lens: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(rows_of(offsets.numpy(), lens, tiny)).to(device)
-
-    def offsets(lens: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.concatenate([[0], np.cumsum(lens[tiny])]).astype(np.int32)).to(device)
-
-    kv_index = index(problem.kv_offsets_host, kv_lens)
-    out_index = index(problem.out_offsets_host, q_lens)
-    if problem.broadcast_q:
-        q_sub, q_off = q, None
-    else:
-        q_sub, q_off = q.index_select(0, index(problem.q_offsets_host, q_lens)), offsets(q_lens)
-    k_sub, v_sub = k.index_select(0, kv_index), v.index_select(0, kv_index)
-    sub = validate(q_sub, k_sub, v_sub, q_off, offsets(kv_lens), max_q_len=None, max_kv_len=None,
-                   sm_scale=problem.sm_scale, window=problem.window, causal=problem.causal,
-                   broadcast_q=problem.broadcast_q, deterministic=problem.deterministic)
-    out_s, lse_s, (max_s, sum_s) = TRITON.forward(q_sub, k_sub, v_sub, sub)
-    out.index_copy_(0, out_index, out_s)
-    for full, part in ((lse, lse_s), (row_max, max_s), (row_sum, sum_s)):
-        full.index_copy_(1, out_index, part)
-
-
 class TlxBackend:
     name = "tlx"
-    speculative = True  # _launch_tlx, _forward_tiny and the Triton launches confirm the problem first
+    speculative = True  # _launch_tlx and the Triton launches confirm the problem first
     description = ("TLX warp-specialised Hopper forward (TMA producer, ping-pong wgmma consumers, persistent "
                    "zigzag tiles) and dQ and dK/dV passes for D = Dv in {64, 128}; Triton forward and backward "
                    "otherwise and for tiny sequences, and broadcast-Q's dQ")
@@ -438,11 +401,18 @@ class TlxBackend:
         return info
 
     def forward(self, q, k, v, problem: Problem):
+        """Path "tlx": the Triton forward with the TLX kernel in place of its ordinary-sequence kernel, so the
+        tiny sequences run through the packed Triton kernel in place, on the caller's tensors."""
         plan = host_plan(problem, pack_block_for(problem))
-        if plan.path == "triton":
+        if plan.path in ("triton", "tlx"):
             from jfa.triton.backend import BACKEND as TRITON
 
-            return TRITON.forward(q, k, v, problem)
+            def fwd_pass(q, k, v, out, lse, row_max, row_sum, table, problem):
+                # `table` holds the sequences of plan.tiles: both split the batch with split_packable at the
+                # same packed tile size (checked by tests/test_tlx.py).
+                _launch_tlx(q, k, v, out, lse, row_max, row_sum, plan, problem)
+
+            return TRITON.forward(q, k, v, problem, fwd_pass=fwd_pass if plan.path == "tlx" else None)
         rows, hq = problem.out_rows, problem.q_heads
         out = torch.empty(rows, hq, problem.head_dim_v, dtype=q.dtype, device=q.device)
         lse, row_max, row_sum = (torch.empty(hq, rows, dtype=torch.float32, device=q.device) for _ in range(3))
@@ -451,11 +421,6 @@ class TlxBackend:
             lse.fill_(-math.inf)
             row_max.fill_(-math.inf)
             row_sum.zero_()
-        elif plan.path == "tlx":
-            if plan.tiles.n_tiles:
-                _launch_tlx(q, k, v, out, lse, row_max, row_sum, plan, problem)
-            if plan.tiny.size:
-                _forward_tiny(q, k, v, out, lse, row_max, row_sum, plan.tiny, problem)
         return out, lse, (row_max, row_sum)
 
     def backward(self, dout, q, k, v, out, lse, residuals, problem: Problem):
@@ -472,4 +437,4 @@ class TlxBackend:
 
 BACKEND = TlxBackend()
 
-__all__ = ["BACKEND", "CONFIGS", "KERNELS", "TlxConfig", "descriptor_layout", "host_plan", "route", "rows_of"]
+__all__ = ["BACKEND", "CONFIGS", "KERNELS", "TlxConfig", "descriptor_layout", "host_plan", "route"]

@@ -320,7 +320,11 @@ def _strides(prefix: str, x: torch.Tensor, dims: str) -> dict:
     return {f"{prefix}_{d}": x.stride(i) for i, d in enumerate(dims)}
 
 
-def forward(q, k, v, problem: Problem):
+def forward(q, k, v, problem: Problem, fwd_pass=None):
+    """out, lse and the residuals (m, l). `fwd_pass`, if given, runs the forward of the ordinary sequences in
+    place of `_fwd_kernel` (the tlx backend's kernel does): fwd_pass(q, k, v, out, lse, row_max, row_sum, table,
+    problem), with `table` the tile table this kernel would have run (its sequences are the ones to do); the
+    packed kernel still takes the tiny sequences, in place."""
     q, k, v = _tileable(q), _tileable(k), _tileable(v)
     rows, hq = problem.out_rows, problem.q_heads
     device = q.device
@@ -338,7 +342,9 @@ def forward(q, k, v, problem: Problem):
         scale_abs=abs(problem.sm_scale), profile=sched.host.profile, SCHEDULE=schedule, **_common(problem),
     )
     table = sched.host.fwd
-    if table.n_tiles:
+    if table.n_tiles and fwd_pass is not None:
+        fwd_pass(q, k, v, out, lse, row_max, row_sum, table, problem)
+    elif table.n_tiles:
         n = table.n_tiles
         _launch(fwd_kernels._fwd_kernel, config.fwd, _programs(n, config.fwd, schedule, device),
                 problem, tiles=sched.fwd, n_tiles=n, counter=_counter(device), n_heads=hq,
@@ -508,9 +514,9 @@ class TritonBackend:
                                   "(nothing to race); run-to-run checks run on a GPU"}
         return {}
 
-    def forward(self, q, k, v, problem: Problem):
+    def forward(self, q, k, v, problem: Problem, fwd_pass=None):
         with _on_device(q.device):
-            return forward(q, k, v, problem)
+            return forward(q, k, v, problem, fwd_pass)
 
     def backward(self, dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None, dq_pass=None,
                  dq_in_dkv: bool = False):
