@@ -63,6 +63,8 @@ BUGS = (
         ("causal_q_ne_kv:0", "kv_empty_q_nonempty:0")),
     Bug("nondeterministic_dq", "dq summed over key blocks in a run-dependent order, even when deterministic=True",
         "invariants:deterministic", ("uniform:0", "gem_like:0")),
+    Bug("ordered_dq_path", "a backend adding dq in no fixed order (dq_order) whose deterministic=True dq path, "
+        "another kernel, drops each sequence's last key block", "backward:bound", ("uniform:0", "gem_like:0")),
     Bug("skipped_tile", "a persistent scheduler skips the last query tile: its output rows stay unwritten",
         "invariants:written", ("uniform:0", "gem_like:0")),
     Bug("gqa_head_map", "backward maps query head h to kv head h % Hkv instead of h // group", "backward:bound",
@@ -108,6 +110,11 @@ class Emulator:
 
     def unavailable(self, device):
         return None
+
+    def invariance_waivers(self, device) -> dict[str, str]:
+        if self.bug == "ordered_dq_path":
+            return {"dq_order": "planted: dq added in no fixed order unless deterministic=True"}
+        return {}
 
     def configs(self) -> list[dict]:
         return [dict(c) for c in self.CONFIGS]
@@ -267,6 +274,8 @@ class Emulator:
         """dS K summed over key blocks; in a shuffled (run-dependent) order for nondeterministic_dq."""
         block_n = self.active["BLOCK_N"]
         blocks = list(range(0, ks.shape[1], block_n))
+        if self.bug == "ordered_dq_path" and problem.deterministic:
+            blocks = blocks[:-1]
         if self.bug == "nondeterministic_dq":
             blocks = [blocks[i] for i in torch.randperm(len(blocks)).tolist()]
         total = torch.zeros(ds.shape[0], ds.shape[1], ks.shape[2], device=ds.device)

@@ -3,6 +3,7 @@ called directly by the gate, bisect and the planted-bug tests."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -16,6 +17,10 @@ from verify.runner import BackendCrash, is_device_fault, run
 from verify.stats import compare
 
 TESTS = {"forward": ("out", "lse"), "backward": ("dq", "dk", "dv"), "invariants": ()}
+# A backend declaring `dq_order` computes dq by another path when deterministic=True (the default mode adds it
+# in no fixed order). The invariants compare that path's dq only with itself, so the backward test also grades
+# it against the reference, as this record.
+ORDERED_DQ = "dq (deterministic=True)"
 
 
 @functools.cache
@@ -65,6 +70,7 @@ def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list
     fn, _ = backend_fn(spec)
     start = time.perf_counter()
     ctx = case_context(case_id, device.type)
+    waivers = invariance_waivers(spec, device)
     # context_s: building the case's inputs, reference and baseline, 0 when this process had them cached
     # (how often workers rebuild a case shows how well the scheduler keeps a case on one worker).
     common = dict(kind="result", backend=spec, case=case_id, family=ctx.case.family, test=test,
@@ -76,13 +82,18 @@ def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list
     start = time.perf_counter()
     try:
         if test == "invariants":
-            findings = check_all(fn, ctx, invariance_waivers(spec, device), ctx.backward_runs.get(spec))
+            findings = check_all(fn, ctx, waivers, ctx.backward_runs.get(spec))
         else:
             inputs = ctx.inputs
-            outputs = run(fn, inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout,
-                          inputs.kwargs, backward=test == "backward")
+            args = (inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout, inputs.kwargs)
+            outputs = run(fn, *args, backward=test == "backward")
+            graded = [(name, name, getattr(outputs, name), common) for name in TESTS[test]]
             if test == "backward":
                 ctx.backward_runs[spec] = outputs
+            if test == "backward" and "dq_order" in waivers:
+                ordered = kernel_config(spec, dataclasses.replace(ctx.problem, deterministic=True))
+                graded.append((ORDERED_DQ, "dq", run(fn, *args, backward=True, deterministic=True).dq,
+                               dict(common, config=ordered)))
     except NotImplementedError as error:
         return [dict(common, tensor="*", status="skip", message=f"unsupported: {error}")]
     except Exception as error:  # a valid input must not raise; a device fault ends the process
@@ -100,14 +111,14 @@ def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list
                      message="; ".join(problems) or None, duration_s=duration)
                 for name, problems in findings.items()]
     records = []
-    for name in TESTS[test]:
+    for label, name, got, context in graded:
         ref, bound, logit_bound = ctx.reference.tensors()[name]
         start = time.perf_counter()
-        stats = compare(name, getattr(outputs, name), ref, bound, logit_bound, ctx.exact[name],
-                        ctx.row_offsets[name], ctx.problem.dtype, getattr(ctx.baseline, name),
+        stats = compare(name, got, ref, bound, logit_bound, ctx.exact[name], ctx.row_offsets[name],
+                        ctx.problem.dtype, getattr(ctx.baseline, name),
                         head_dim=max(ctx.problem.head_dim, ctx.problem.head_dim_v))
-        records.append(dict(common, **tensor_record(stats), duration_s=duration,
-                            stats_s=time.perf_counter() - start))
+        records.append({**context, **tensor_record(stats), "tensor": label, "duration_s": duration,
+                        "stats_s": time.perf_counter() - start})
     return records
 
 
