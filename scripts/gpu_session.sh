@@ -2,7 +2,7 @@
 # The GPU work of a session on the lent H200 machine(s), in stages, each writing under $OUT:
 #   bash scripts/gpu_session.sh STAGE [STAGE ...]
 # Stages: env, triton-selftest, tlx-selftest, premerge:GPUS:BACKENDS:TAG[:CPUS], bench, tune:ROLES,
-# sanitizer:TOOL:BACKEND[:i/n], repeat, ab:BASE, scaling[:BACKENDS]. A group STAGE+STAGE+... runs its stages
+# sanitizer:TOOL:BACKEND[:i/n], repeat[:BACKEND[:RUNS]], ab:BASE, scaling[:BACKENDS]. A group STAGE+STAGE+... runs its stages
 # at once, the i-th on GPU i mod (the GPUs present), e.g. the shards of a sanitizer run spread over a
 # multi-GPU machine.
 # The machine has no package registry: run from the carried tree (PYTHONPATH) and carry
@@ -94,13 +94,14 @@ stage_tune() {
 }
 
 # sanitizer TOOL BACKEND [SHARD]: compute-sanitizer's TOOL (memcheck, racecheck, ...) over the smoke profile, or
-# its shard i/n (racecheck slows TLX launches so much that the whole profile outlasts one device call).
+# its shard i/n (racecheck slows TLX launches so much that the whole profile outlasts one device call); PYTEST_ARGS
+# are added to pytest's (e.g. -k backward).
 stage_sanitizer() {
   local tool=$1 backend=$2 shard=${3:-0/1}
   local name=sanitizer_${tool}_${backend}_${shard/\//of}
   for_backends "$backend" timeout ${SANITIZER_TIMEOUT:-240} compute-sanitizer --tool "$tool" --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider verify/ --jfa-profile smoke --jfa-backend "$backend" --shard "$shard" \
-    --jfa-results /tmp/jfa/$name.jsonl > /tmp/jfa/$name.log 2>&1
+    ${PYTEST_ARGS:-} --jfa-results /tmp/jfa/$name.jsonl > /tmp/jfa/$name.log 2>&1
   echo "$name: exit $?" | tee -a "$OUT/timings.txt"
   tail -n 40 /tmp/jfa/$name.log | tee "$OUT/$name.txt"
 }
@@ -142,7 +143,15 @@ stage_scaling() {
   } 2>&1 | tee "$OUT/scaling$tag.txt"
 }
 
-stage_repeat() { timeout 240 python3 -m verify.repeat --backend triton --runs 200 --deterministic 2>&1 | tee "$OUT/repeat.txt"; }
+# repeat [BACKEND [RUNS]]: python -m verify.repeat on the scheduling-adversarial cases, RUNS (200) runs each, with
+# deterministic=True (dq too must repeat bitwise) and then in the default mode (out, lse, dk, dv).
+stage_repeat() {
+  local backend=${1:-triton} runs=${2:-200} mode
+  for mode in --deterministic ""; do
+    for_backends "$backend" timeout 240 python3 -m verify.repeat --backend "$backend" --runs "$runs" $mode 2>&1 |
+      tee -a "$OUT/repeat_$backend.txt"
+  done
+}
 
 run_stage() {
   echo "=== $1 ($(date -u +%H:%M:%S))"
@@ -151,6 +160,7 @@ run_stage() {
     sanitizer:*) IFS=: read -r _ tool backend shard <<< "$1"; stage_sanitizer "$tool" "$backend" "$shard" ;;
     tune:*) stage_tune "${1#tune:}" ;;
     ab:*) stage_ab "${1#ab:}" ;;
+    repeat:*) IFS=: read -r _ backend runs <<< "$1"; stage_repeat "$backend" "$runs" ;;
     scaling:*) stage_scaling "${1#scaling:}" ;;
     *) "stage_${1//-/_}" ;;
   esac
