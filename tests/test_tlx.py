@@ -194,6 +194,29 @@ def test_triton_backward_runs_a_given_dq_pass_instead_of_its_kernel(small_blocks
         torch.testing.assert_close(g.float(), w.float(), rtol=2**-6, atol=2**-6)
 
 
+def test_dq_in_dkv_without_ordinary_sequences_is_the_usual_backward(small_blocks, monkeypatch):
+    """A batch of packed sequences only has no dK/dV tiles: `dq_in_dkv` then changes nothing (no D kernel,
+    no fp32 dq to reduce: on the H200 that mode made the all-tiny row's backward 1.5x slower), and the
+    gradients are the usual backward's bits."""
+    from jfa.triton import backward as bwd_kernels
+
+    triton_backend = small_blocks
+    for name in ("_delta_kernel", "_dq_reduce_kernel"):
+        monkeypatch.setattr(bwd_kernels, name, None)  # launching one fails
+    (q, k, v), problem = _problem([3, 9, 1, 12], [5, 9, 2, 16], hq=4, hkv=2, d=16)
+    assert triton_backend.device_schedule(problem, triton_backend.SMALL_BLOCKS).host.dkv.n_tiles == 0
+    out, lse, residuals = triton_backend.BACKEND.forward(q, k, v, problem)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype)
+    want = triton_backend.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem)
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("no dK/dV pass runs without ordinary sequences")
+
+    got = triton_backend.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass=no_pass,
+                                          dq_in_dkv=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 @pytest.mark.parametrize("broadcast_q", [False, True])
 def test_triton_backward_with_dq_in_dkv(small_blocks, broadcast_q):
     """With `dq_in_dkv` the Triton backward runs no dQ pass: it computes D of every row (`_delta_kernel`),
@@ -350,8 +373,11 @@ def test_config_reports_the_path():
     assert other["path"] == "triton" and other["backward"] == "triton"
     broadcast = BACKEND.config(_problem([300, 300], [250, 20], broadcast_q=True, deterministic=True)[1])
     assert broadcast["backward"] == "triton, dK/dV pass by TLX"
+    # Without ordinary sequences (no keys; only tiny ones) no TLX pass has a tile to run.
     no_keys = BACKEND.config(_problem([300, 20], [0, 0])[1])
-    assert no_keys["path"] == "fill" and no_keys["backward"] == "triton, dK/dV pass by TLX"
+    assert no_keys["path"] == "fill" and no_keys["backward"] == "triton"
+    tiny = BACKEND.config(_problem([20] * 6, [17] * 6)[1])
+    assert tiny["path"] == "triton" and tiny["backward"] == "triton"
 
 
 # ---------------------------------------------------------------------------------------------------------

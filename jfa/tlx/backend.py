@@ -246,7 +246,12 @@ def tlx_dq_reduce(problem: Problem) -> bool:
 
 
 def backward_route(problem: Problem) -> str:
-    """Which passes of the backward are TLX kernels (`config()["backward"]`)."""
+    """Which passes of the backward are TLX kernels (`config()["backward"]`): none without ordinary sequences
+    (the TLX passes take only the Triton backward's dQ and dK/dV tiles)."""
+    from jfa.triton.backend import config_for, device_schedule
+
+    if device_schedule(problem, config_for(problem)).host.dkv.n_tiles == 0:
+        return "triton"
     if tlx_dq_reduce(problem):
         return "TLX dK/dV pass adding dq by TMA reduce (deterministic=False), Triton for tiny sequences"
     if tlx_dq(problem):

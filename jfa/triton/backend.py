@@ -370,7 +370,8 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
     `dq_in_dkv` (with `dkv_pass`): the dK/dV pass also adds the ordinary sequences' dq, times the scale, into
     a zeroed fp32 dq at the output rows (the broadcast_q partial layout, whichever the batch), given to it
     as `dq=`; `_delta_kernel` computes D first and no dQ pass runs; the packed and short-query kernels write
-    their fp32 rows there too, and `_dq_reduce_kernel` rounds (and for broadcast_q adds) them into dq."""
+    their fp32 rows there too, and `_dq_reduce_kernel` rounds (and for broadcast_q adds) them into dq. Without
+    ordinary sequences (no dK/dV tiles) it does not apply: the packed kernels' usual dq is cheaper."""
     row_max, row_sum = residuals
     device = q.device
     dq = torch.empty(q.shape, dtype=q.dtype, device=device)
@@ -383,6 +384,7 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
     config = config_for(problem)
     sched = device_schedule(problem, config)
     schedule = schedule_mode()
+    dq_in_dkv = dq_in_dkv and sched.host.dkv.n_tiles > 0
     partial = problem.broadcast_q or dq_in_dkv
     dq_target = dq
     if partial:  # zeroed for dq_in_dkv: its dK/dV pass adds into the rows
