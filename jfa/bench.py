@@ -218,9 +218,23 @@ def _median_ms(fn, repeats: int) -> float:
     return float(np.median([triton.testing.do_bench(fn, warmup=25, rep=100) for _ in range(repeats)]))
 
 
-def _device_ms(fn, calls: int = 5) -> float:
-    """Device time of one call: the kernels and copies the profiler records on the GPU, over `calls` calls."""
+def idle_time(intervals) -> float:
+    """Within the span from the first interval's start to the last one's end, the time no interval covers
+    (intervals may overlap: copies beside kernels)."""
+    idle, covered_to = 0.0, None
+    for start, end in sorted(intervals):
+        if covered_to is not None and start > covered_to:
+            idle += start - covered_to
+        covered_to = end if covered_to is None else max(covered_to, end)
+    return idle
+
+
+def _device_profile(fn, calls: int = 5) -> tuple[float, float]:
+    """(device ms, idle ms) of one call over `calls` back-to-back calls, from the profiler's GPU timeline: the
+    kernels' and copies' time, and the time between the first one's start and the last one's end in which the
+    GPU ran nothing (what it waited for the host: its launches, and the offsets check each call syncs on)."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -228,7 +242,9 @@ def _device_ms(fn, calls: int = 5) -> float:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return sum(event.device_time_total for event in prof.key_averages()) / calls * 1e-3
+    device = sum(event.device_time_total for event in prof.key_averages()) / calls * 1e-3
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return device, idle_time(spans) / calls * 1e-3
 
 
 def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: int) -> None:
@@ -259,7 +275,7 @@ def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: in
         record[f"{key}_extra_bytes"] = max(0, torch.cuda.max_memory_allocated() - base - out_bytes)
         del result
         record[f"{key}_ms"] = _median_ms(fn, repeats)
-        record[f"{key}_device_ms"] = _device_ms(fn)
+        record[f"{key}_device_ms"], record[f"{key}_idle_ms"] = _device_profile(fn)
 
 
 def _print_record(r):
@@ -273,7 +289,7 @@ def _print_record(r):
 def print_table(results) -> None:
     head = (f"{'row':9s} {'backend':13s} {'fwd ms':>8s} {'TF/s':>6s} {'xFA2':>5s} {'bwd ms':>8s} {'TF/s':>6s} "
             f"{'xFA2':>5s} {'fwd GB/s':>8s} {'bwd GB/s':>8s} {'copy% f/b':>9s} {'extra MiB f/fb':>15s} "
-            f"{'fwd dev ms':>10s}")
+            f"{'fwd dev ms':>10s} {'idle':>6s}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -288,7 +304,7 @@ def print_table(results) -> None:
         copy = f"{100 * r['fwd_copy_share']:.0f}/{100 * r['bwd_copy_share']:.0f}"
         print(f"{r['row']:9s} {r['backend']:13s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:6.1f} {ratio('fwd_vs_varlen')} "
               f"{r['bwd_ms']:8.3f} {r['bwd_tflops']:6.1f} {ratio('bwd_vs_varlen')} {r['fwd_gbps']:8.0f} "
-              f"{r['bwd_gbps']:8.0f} {copy:>9s} {extra:>15s} {r['fwd_device_ms']:10.3f}")
+              f"{r['bwd_gbps']:8.0f} {copy:>9s} {extra:>15s} {r['fwd_device_ms']:10.3f} {r['fwd_idle_ms']:6.3f}")
 
 
 def print_rooflines(results, copy_gbps: float) -> None:
@@ -327,7 +343,8 @@ def main(argv=None) -> int:
           f"{args.dtype} D={args.head_dim} causal={args.causal} window={args.window}", flush=True)
     print("TFLOP/s count visible pairs only: forward 4·pairs·D per head, backward 2.5x that; "
           "backward time = (fwd+bwd) - fwd; xFA2 = torch-varlen time / this time; fwd dev ms = the forward's "
-          "kernels and copies (profiler); fwd ms - fwd dev ms = what the GPU waited for the host.", flush=True)
+          "kernels and copies (profiler); idle = the GPU's idle time per call between them over back-to-back "
+          "calls (profiler timeline: what it waited for the host).", flush=True)
     copy_gbps = copy_rate_gbps()
     results = []
     for row in args.rows:

@@ -11,7 +11,8 @@ def test_derived_figures_and_table(capsys):
     """Backward is the difference of the two timings; rates follow from them; the forward's device time
     reaches the table."""
     record = {"row": "gem", "backend": "triton", "fwd_flops": 4e12, "bwd_flops": 1e13, "fwd_ms": 2.0,
-              "fwdbwd_ms": 7.0, "fwd_device_ms": 1.625, "fwd_extra_bytes": 2**20, "fwdbwd_extra_bytes": 3 * 2**20}
+              "fwdbwd_ms": 7.0, "fwd_device_ms": 1.625, "fwd_idle_ms": 0.25, "fwd_extra_bytes": 2**20,
+              "fwdbwd_extra_bytes": 3 * 2**20}
     bench.derive(record, fwd_bytes=4e9, bwd_bytes=1e10, copy_gbps=4000.0)
     assert record["bwd_ms"] == 5.0
     assert math.isclose(record["fwd_tflops"], 2000.0) and math.isclose(record["bwd_tflops"], 2000.0)
@@ -21,8 +22,16 @@ def test_derived_figures_and_table(capsys):
     assert math.isclose(record["fwd_copy_share"], 0.5) and math.isclose(record["bwd_copy_share"], 0.5)
     bench.print_table([record])
     line = capsys.readouterr().out.splitlines()[-1].split()
-    assert line[:2] == ["gem", "triton"] and line[2] == "2.000" and line[5] == "5.000" and line[-1] == "1.625"
-    assert line[-3] == "50/50"
+    assert line[:2] == ["gem", "triton"] and line[2] == "2.000" and line[5] == "5.000"
+    assert line[-2:] == ["1.625", "0.250"] and line[-4] == "50/50"
+
+
+def test_idle_time_is_the_uncovered_part_of_the_span():
+    """Copies overlapping kernels cover the timeline once; only the gaps between them count."""
+    assert bench.idle_time([]) == 0.0
+    assert bench.idle_time([(0, 10)]) == 0.0
+    # kernel 0-10, copy 5-12 beside it, gap 12-20, kernel 20-30, a copy inside it, gap 30-31, kernel 31-40
+    assert bench.idle_time([(31, 40), (20, 30), (0, 10), (5, 12), (22, 25)]) == 8 + 1
 
 
 def test_rooflines_name_the_best_ratio_a_kernel_could_reach(capsys):
