@@ -16,9 +16,11 @@ bf16 and fp16 both take the TLX path.
 
 Backward (`config()["backward"]` says which): `jfa.triton.backend.BACKEND.backward` (short-query and packed
 sequences in its own kernels), its dQ and dK/dV passes over the ordinary sequences replaced by the kernels of
-`jfa.tlx.backward` where the head dims are the TLX forward's (D = Dv in {64, 128}; `tlx_dkv`), the dQ pass
-only with key rows and without broadcast_q (`tlx_dq`; broadcast_q's dQ is the Triton reduction over
-sequences). Deterministic, and bitwise the Triton passes' gradients (the same products added in the same
+`jfa.tlx.backward` where the head dims are the TLX forward's (D = Dv in {64, 128}; `tlx_dkv`). With
+deterministic=False and key rows (`tlx_dq_reduce`) one pass: the dK/dV kernel also adds dq by TMA reduce into
+an fp32 array (dq summed in no fixed order; dk and dv deterministic). With deterministic=True two passes, the
+dQ pass only with key rows and without broadcast_q (`tlx_dq`; broadcast_q's dQ is the Triton reduction over
+sequences): deterministic, and bitwise the Triton passes' gradients (the same products added in the same
 order; checked on jfa.bench's gem, long and skew rows on the H200). The TLX forward returns the residuals the
 backward reads, exactly as the Triton forward does: the raw row max m and the row sum l ([Hq, rows] fp32
 each, `jfa.softmax`), from which it recomputes P robustly.
