@@ -91,6 +91,13 @@ def backward_row_stats(m, l):
 
 
 @triton.jit
+def row_delta(do, o):
+    """D = rowsum(dO∘O) in fp32, O the rounded output: one expression for every kernel that computes it (the
+    dQ passes, and the D kernel of the one-pass backward), so they agree bitwise."""
+    return tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+
+
+@triton.jit
 def chunked_row_sum(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     """Row sums of p [BLOCK_M, BLOCK_N] whose bits do not depend on where a row's nonzeros sit.
 

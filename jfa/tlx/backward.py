@@ -55,7 +55,7 @@ import triton.language.extra.tlx as tlx
 
 from jfa.block_info import q_block_range
 from jfa.mask import visible
-from jfa.softmax import backward_row_stats, raw_scores, shifted_exp2
+from jfa.softmax import backward_row_stats, raw_scores, row_delta, shifted_exp2
 from jfa.tlx.forward import CONSUMER_THREADS, _load_tiles, _rounds, _tile, _tile_round, query_ring_barriers
 from jfa.triton.forward import sequence_bounds
 
@@ -308,7 +308,7 @@ def _dq_tiles(q_tiles, do_tiles, k_tiles, v_tiles, q_full, q_empty, k_full, k_em
         q_tile = q_tiles[q_slot]
         do_tile = do_tiles[q_slot]
         # D = rowsum(dO∘O) from the rounded output, stored for the dK/dV pass (as the Triton dQ pass does).
-        delta = tl.sum(tlx.local_load(do_tile).to(tl.float32) * o.to(tl.float32), 1)
+        delta = row_delta(tlx.local_load(do_tile), o)
         tl.store(Delta + stat, delta, mask=row_ok)
         dq = tl.zeros([HALF, HEAD_DIM], dtype=tl.float32)
         for n in range(lo, hi, BLOCK_N):

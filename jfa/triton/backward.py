@@ -38,7 +38,7 @@ import triton.language as tl
 
 from jfa.block_info import MASK_NEVER, block_masked, kv_block_range, over_blocks, q_block_range
 from jfa.mask import visible
-from jfa.softmax import backward_row_stats, raw_scores, shifted_exp2
+from jfa.softmax import backward_row_stats, raw_scores, row_delta, shifted_exp2
 from jfa.triton.forward import (
     head_dim_lanes,
     kernel,
@@ -89,7 +89,7 @@ def _query_rows(Q, DOut, Out, RowMax, RowSum, q_start, out_start, m0, head, offs
                    + tile_offsets(offs_r, sdo_t, offs_dv, sdo_d), row_ok, dv_ok, True, MASK_DV)
     o = load_tile(row_base(Out, out_start + m0, so_t, head, so_h) + tile_offsets(offs_r, so_t, offs_dv, 1),
                   row_ok, dv_ok, True, MASK_DV)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    delta = row_delta(do, o)
     stat = tl.cast(head, tl.int64) * stat_h + out_start + offs_m
     m_b, inv_b = backward_row_stats(tl.load(RowMax + stat, mask=row_ok, other=0.0),
                                     tl.load(RowSum + stat, mask=row_ok, other=0.0))
@@ -515,4 +515,4 @@ def _delta_kernel(Out, DOut, Delta, rows, so_t, so_h, so_d, sdo_t, sdo_h, sdo_d,
     rows64 = tl.cast(offs_r, tl.int64)[:, None]
     o = tl.load(Out + rows64 * so_t + head * so_h + offs_d[None, :] * so_d, mask=ok, other=0.0)
     do = tl.load(DOut + rows64 * sdo_t + head * sdo_h + offs_d[None, :] * sdo_d, mask=ok, other=0.0)
-    tl.store(Delta + head * stat_h + offs_r, tl.sum(do.to(tl.float32) * o.to(tl.float32), 1), mask=row_ok)
+    tl.store(Delta + head * stat_h + offs_r, row_delta(do, o), mask=row_ok)
