@@ -2,11 +2,15 @@
 (`dkv_ws_kernel`) and, at the end of this module, dQ with D (`dq_ws_kernel`).
 
 Imported only when fbtriton (Triton with TLX) is installed: `jfa.tlx.backend` imports it lazily. The rest of
-the backward (short-query and packed sequences, broadcast_q's dQ) stays with the Triton kernels. The dQ pass
-runs first: the dK/dV pass reads the D = rowsum(dO∘O) it stores. Nothing is accumulated with atomics, so
-every gradient is deterministic and batch invariant, as with the Triton backward; and since both add the same
-products to each key's dk and dv (and each row's dq) in the same order, the gradients are bitwise those of the
-Triton kernels (checked on jfa.bench's gem, long and skew rows on the H200).
+the backward (short-query and packed sequences, broadcast_q's dQ) stays with the Triton kernels. Two modes:
+- deterministic=True: the dQ pass runs first and the dK/dV pass reads the D = rowsum(dO∘O) it stores. Nothing
+  is accumulated with atomics, so every gradient is deterministic and batch invariant, as with the Triton
+  backward; and since both add the same products to each key's dk and dv (and each row's dq) in the same
+  order, the gradients are bitwise those of the Triton kernels (checked on jfa.bench's gem, long and skew rows
+  on the H200).
+- deterministic=False: the dK/dV pass alone, with DQ_REDUCE (D from the Triton `_delta_kernel`): it also adds
+  each query block's dq into an fp32 array by TMA reduce (`_reduce_dq`), in no fixed order across tiles, so
+  dq is not bitwise reproducible; dk and dv still are (same products, same order).
 
 Tile = (sequence, BLOCK_N = 128 keys, key/value head), from `jfa.tile_scheduler.key_tiles` (sorted by the
 query blocks that see the keys); persistent over the static zigzag dealing of `jfa.tlx.forward`.
