@@ -57,6 +57,27 @@ def test_invariants_reuse_the_backward_tests_run():
     assert [(r["tensor"], r["status"]) for r in after_backward] == [(r["tensor"], r["status"]) for r in alone]
 
 
+def test_invariants_reuse_the_backward_tests_deterministic_run(monkeypatch):
+    """For a backend declaring dq_order the backward test also runs deterministic=True (to grade that dq);
+    the invariants take it as their first run in that mode: one deterministic call fewer, the same verdicts."""
+    from jfa import backends
+    from tests import planted  # noqa: F401  (registers the planted backends)
+
+    spec, case_id, cpu = "planted-ordered_dq_path", "empty_middle:1", torch.device("cpu")
+    backend = backends.get(spec)
+    calls = []
+    real = backend.backward
+    monkeypatch.setattr(backend, "backward", lambda *args: calls.append(args[-1].deterministic) or real(*args))
+    case_context.cache_clear()
+    alone = check_case(spec, case_id, "invariants", cpu)
+    deterministic_alone = calls.count(True)
+    check_case(spec, case_id, "backward", cpu)
+    calls.clear()
+    after_backward = check_case(spec, case_id, "invariants", cpu)
+    assert calls.count(True) == deterministic_alone - 1 > 0 and calls.count(False) > 0
+    assert [(r["tensor"], r["status"]) for r in after_backward] == [(r["tensor"], r["status"]) for r in alone]
+
+
 def test_nan_filled_allocations_fill_and_restore_without_loading_inductor():
     """Fresh memory is NaN inside, torch's switches come back as they were, and Inductor is not imported to
     set its flag (seconds per process) unless it was loaded already, in which case its flag follows too."""

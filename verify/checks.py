@@ -82,7 +82,7 @@ def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list
     start = time.perf_counter()
     try:
         if test == "invariants":
-            findings = check_all(fn, ctx, waivers, ctx.backward_runs.get(spec))
+            findings = check_all(fn, ctx, waivers, ctx.backward_runs.get(spec), ctx.ordered_runs.get(spec))
         else:
             inputs = ctx.inputs
             args = (inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout, inputs.kwargs)
@@ -91,9 +91,9 @@ def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list
             if test == "backward":
                 ctx.backward_runs[spec] = outputs
             if test == "backward" and "dq_order" in waivers:
-                ordered = kernel_config(spec, dataclasses.replace(ctx.problem, deterministic=True))
-                graded.append((ORDERED_DQ, "dq", run(fn, *args, backward=True, deterministic=True).dq,
-                               dict(common, config=ordered)))
+                ordered = ctx.ordered_runs[spec] = run(fn, *args, backward=True, deterministic=True)
+                config = kernel_config(spec, dataclasses.replace(ctx.problem, deterministic=True))
+                graded.append((ORDERED_DQ, "dq", ordered.dq, dict(common, config=config)))
     except NotImplementedError as error:
         return [dict(common, tensor="*", status="skip", message=f"unsupported: {error}")]
     except Exception as error:  # a valid input must not raise; a device fault ends the process

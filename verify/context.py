@@ -29,6 +29,8 @@ class CaseContext:
     # Per backend, the outputs of its backward test (forward and backward of the case's own call), which the
     # invariants reuse as their first run instead of repeating it.
     backward_runs: dict[str, Outputs] = field(default_factory=dict)
+    # ... and its deterministic=True run, where it makes one (a backend declaring dq_order).
+    ordered_runs: dict[str, Outputs] = field(default_factory=dict)
 
 
 def problem_of(inputs: CaseInputs) -> Problem:

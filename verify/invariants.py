@@ -132,12 +132,13 @@ WAIVABLE = {"run_to_run": ("repeatable", "deterministic"), "batch": ("padding", 
 
 
 def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
-              base: Outputs | None = None) -> dict[str, list[str] | str]:
+              base: Outputs | None = None, ordered_base: Outputs | None = None) -> dict[str, list[str] | str]:
     """Runs every invariant; returns {invariant: [problems]} (an empty list passes), or {invariant: reason}
     for the groups of WAIVABLE in `waived` (group -> why the backend does not promise them on this device).
 
     `base`: an earlier run of the case's own call with backward (the backward test's), compared with the
-    runs made here; without it the first run is made here."""
+    runs made here; without it the first run is made here. `ordered_base` likewise, with deterministic=True
+    (the backward test makes one for a backend declaring dq_order)."""
     waived = waived or {}
     inputs = ctx.inputs
     args = (inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout)
@@ -156,9 +157,10 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
     # library kernels in this mode.
     with nan_filled_allocations():
         findings["written"] = _unwritten(run(fn, *args, inputs.kwargs, backward=True), ctx)
-    first = None
+    first = ordered_base
     if "run_to_run" not in waived:
-        first = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
+        if first is None:
+            first = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
         second = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
         findings["deterministic"] = _differences(first, second, all_names)
     if "batch" in waived:
