@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from jfa import tile_scheduler as ts
+from jfa.launch import launch_confirmed
 from jfa.problem import Problem
 
 # Compute capability (major·10 + minor) -> module holding that architecture's `fwd_ws_kernel`.
@@ -209,9 +210,9 @@ def _launch_tlx(q, k, v, out, lse, row_max, row_sum, plan: HostPlan, problem: Pr
     n_tiles = plan.tiles.n_tiles
     programs = _persistent_programs(n_tiles, device)
     scale = problem.sm_scale
-    problem.confirm()  # a speculative problem's offsets are the caller's before the kernel reads them
     with torch.cuda.device(device):
-        kernel[(programs,)](
+        launch_confirmed(
+            problem, kernel, (programs,),
             desc_q, desc_k, desc_v, out, lse, row_max, row_sum,
             plan.table_on(device), n_tiles, problem.q_offsets, problem.out_offsets, problem.kv_offsets,
             sq_h, sk_h, sv_h, out.stride(0), out.stride(1), lse.stride(0), q.shape[0], k.shape[0],
@@ -305,10 +306,10 @@ def _launch_dq(q, k, v, out, dout, dq, row_max, row_sum, delta, triton_table, pr
     desc_k, sk_h = _descriptor(k, DQ_BLOCK_N)
     desc_v, sv_h = _descriptor(v, DQ_BLOCK_N)
     n_tiles = table.n_tiles
-    problem.confirm()
     programs = _persistent_programs(n_tiles, device)
     scale = problem.sm_scale
-    kernel[(programs,)](
+    launch_confirmed(
+        problem, kernel, (programs,),
         desc_q, desc_do, desc_k, desc_v, out, dq, row_max, row_sum, delta,
         _table_on(table, copies, device), n_tiles, problem.q_offsets, problem.out_offsets, problem.kv_offsets,
         sq_h, sdo_h, sk_h, sv_h, out.stride(0), out.stride(1), dq.stride(0), dq.stride(1), row_max.stride(0),
@@ -355,10 +356,10 @@ def _launch_dkv(q, k, v, dout, dk, dv, row_max, row_sum, delta, triton_table, pr
         desc_dq = TensorDescriptor(dq.view(dq.shape[0], width), shape=[dq.shape[0], width], strides=[width, 1],
                                    block_shape=[BWD_BLOCK_M, problem.head_dim // 2])
     n_tiles = table.n_tiles
-    problem.confirm()
     programs = _persistent_programs(n_tiles, device)
     scale = problem.sm_scale
-    kernel[(programs,)](
+    launch_confirmed(
+        problem, kernel, (programs,),
         desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, desc_dq, dk, dv,
         _table_on(table, copies, device), n_tiles, problem.q_offsets, problem.out_offsets, problem.kv_offsets,
         sq_h, sdo_h, sk_h, sv_h, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),

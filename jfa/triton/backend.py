@@ -36,6 +36,7 @@ import torch
 import triton
 
 from jfa import tile_scheduler as ts
+from jfa.launch import launch_confirmed
 from jfa.problem import Problem
 from jfa.triton import backward as bwd_kernels
 from jfa.triton import forward as fwd_kernels
@@ -274,7 +275,8 @@ def _autotune_enabled() -> bool:
 
 
 def _launch(kernel, cfg: KernelConfig, grid: int, problem: Problem, **kwargs) -> None:
-    problem.confirm()  # a speculative problem's offsets are the caller's before anything reads them
+    """Launches once the problem is confirmed (a speculative problem's offsets are the caller's before anything
+    reads them), the launch's host work done before (`jfa.launch`)."""
     if _autotune_enabled() and len(cfg.stages) > 1:
         key = (kernel, cfg)
         if key not in _TUNED:
@@ -283,9 +285,9 @@ def _launch(kernel, cfg: KernelConfig, grid: int, problem: Problem, **kwargs) ->
                 configs=configs, key=["HEAD_DIM", "HEAD_DIM_V", "profile", "CAUSAL", "HAS_WINDOW"],
                 reset_to_zero=["counter"], restore_value=["counter"],
             )(kernel)
-        _TUNED[key][(grid,)](**kwargs)
+        launch_confirmed(problem, _TUNED[key], (grid,), **kwargs)
     else:
-        kernel[(grid,)](**kwargs, num_warps=cfg.num_warps, num_stages=cfg.stages[0])
+        launch_confirmed(problem, kernel, (grid,), **kwargs, num_warps=cfg.num_warps, num_stages=cfg.stages[0])
 
 
 def _counter(device) -> torch.Tensor:

@@ -1,0 +1,65 @@
+"""Kernel launches whose Triton host work is done before the launch itself.
+
+A speculative problem's `confirm()` waits for the device: the comparison of the caller's offsets is queued
+behind the previous call's kernels, so from the moment it returns the GPU is idle until the next launch
+reaches it. A plain `kernel[grid](...)` spends that time in the Triton runtime (binding and specialising
+some 30-40 arguments, building the cache key, looking the compiled kernel up): on the H200 machine 140-220 µs
+between `confirm()` and the end of the call through the op, for the triton and tlx forwards alike (scratch
+probe, 2026-12-01). `prepare` does all of that first, and what it returns does only the driver launch, the
+same call `JITFunction.run` ends with, on the same compiled kernel and arguments.
+
+Triton versions that lack the runtime pieces it uses (`triton.knobs`, `JITFunction.warmup`), kernels that are
+not plain JIT functions (the interpreter's, an autotuner) and runs with launch hooks installed (a profiler
+that wants to see each launch) launch the usual way, when the returned callable is called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import triton
+from triton.runtime.jit import JITFunction
+
+
+def _launch_hooks():
+    """The runtime's launch hooks (enter, exit), or None where this Triton has no `knobs` to hold them."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        return None
+    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+
+
+def _current_stream():
+    driver = triton.runtime.driver.active
+    return driver.get_current_stream(driver.get_current_device())
+
+
+def prepare(kernel, grid: tuple[int, ...], *args, **kwargs) -> Callable[[], None]:
+    """A callable that launches `kernel[grid](*args, **kwargs)` on the stream current now, with the runtime's
+    binding, specialisation and cache lookup (and a first call's compilation) done here, ahead of it."""
+    hooks = _launch_hooks()
+    if not isinstance(kernel, JITFunction) or hooks is None or any(hooks):
+        return lambda: kernel[grid](*args, **kwargs)
+    compiled = kernel.warmup(*args, grid=grid, **kwargs)
+    if hasattr(compiled, "result"):  # an asynchronous compilation's future
+        compiled = compiled.result()
+    parameters = kernel.signature.parameters
+    values = [*args, *(kwargs[name] if name in kwargs else parameters[name].default
+                       for name in kernel.arg_names[len(args):])]
+    x, y, z = (*grid, 1, 1)[:3]
+    stream = _current_stream()
+    run = compiled.run  # loads the module on a first launch
+    function, metadata = compiled.function, compiled.packed_metadata
+
+    def launch() -> None:
+        run(x, y, z, stream, function, metadata, None, None, None, *values)
+
+    return launch
+
+
+def launch_confirmed(problem, kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+    """`kernel[grid](*args, **kwargs)` once `problem` (a `jfa.problem.Problem`) is confirmed, its host work done
+    before the confirmation waits."""
+    launch = prepare(kernel, grid, *args, **kwargs)
+    problem.confirm()
+    launch()

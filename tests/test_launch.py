@@ -1,0 +1,118 @@
+"""jfa.launch: a prepared launch does the Triton runtime's work when it is made and only the driver launch when
+it is called, with the compiled kernel and arguments `kernel[grid](...)` would have used; kernels it cannot
+launch directly (interpreted ones, with launch hooks installed) launch the usual way, and only when called.
+No GPU here: the compiled kernel is a stand-in that records its launches."""
+
+from __future__ import annotations
+
+import pytest
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from jfa import launch
+
+
+def _kernel_source(X, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr = 7):
+    pass
+
+
+class _Compiled:
+    """What `JITFunction.warmup` returns: `run` (the launcher), the function handle, packed metadata."""
+
+    def __init__(self):
+        self.launches = []
+        self.function, self.packed_metadata = "function-handle", ("packed",)
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+@pytest.fixture
+def jit_kernel(monkeypatch):
+    kernel = JITFunction(_kernel_source)
+    compiled = _Compiled()
+    warmups = []
+
+    def warmup(*args, grid, **kwargs):
+        warmups.append((args, grid, kwargs))
+        return compiled
+
+    monkeypatch.setattr(kernel, "warmup", warmup)
+    monkeypatch.setattr(launch, "_current_stream", lambda: "stream-0")
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", None)
+    return kernel, compiled, warmups
+
+
+def test_prepared_launch_binds_first_and_launches_only_when_called(jit_kernel):
+    kernel, compiled, warmups = jit_kernel
+    ready = launch.prepare(kernel, (12,), "x-tensor", n=5, scale=0.5, BLOCK=64, num_warps=4)
+    assert warmups == [(("x-tensor",), (12,), dict(n=5, scale=0.5, BLOCK=64, num_warps=4))]
+    assert compiled.launches == []
+    ready()
+    # The launcher's arguments as JITFunction.run passes them: grid padded to 3-D, the stream current when it
+    # was prepared, no launch metadata or hooks, then every parameter in signature order (defaults filled in,
+    # options such as num_warps not among them).
+    assert compiled.launches == [(12, 1, 1, "stream-0", "function-handle", ("packed",), None, None, None,
+                                  "x-tensor", 5, 0.5, 64, 7)]
+
+
+def test_launch_confirmed_launches_after_the_confirmation(jit_kernel):
+    kernel, compiled, _ = jit_kernel
+    events = []
+
+    class Problem:
+        def confirm(self):
+            events.append(("confirm", len(compiled.launches)))
+
+    launch.launch_confirmed(Problem(), kernel, (3, 2), X=1, n=2, scale=3.0, BLOCK=16, FLAG=1)
+    assert events == [("confirm", 0)]
+    assert compiled.launches == [(3, 2, 1, "stream-0", "function-handle", ("packed",), None, None, None,
+                                  1, 2, 3.0, 16, 1)]
+
+
+def test_stale_confirmation_launches_nothing(jit_kernel):
+    kernel, compiled, _ = jit_kernel
+
+    class Stale(Exception):
+        pass
+
+    class Problem:
+        def confirm(self):
+            raise Stale
+
+    with pytest.raises(Stale):
+        launch.launch_confirmed(Problem(), kernel, (1,), X=1, n=2, scale=3.0, BLOCK=16)
+    assert compiled.launches == []
+
+
+class _Spy:
+    """A kernel that is not a plain JITFunction (an interpreted one, an autotuner): launched by indexing."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+def test_other_kernels_launch_the_usual_way_when_called():
+    spy = _Spy()
+    ready = launch.prepare(spy, (4,), 1, BLOCK=2)
+    assert spy.launches == []
+    ready()
+    assert spy.launches == [((4,), (1,), {"BLOCK": 2})]
+
+
+def test_launch_hooks_keep_the_usual_launch(jit_kernel, monkeypatch):
+    """A profiler's launch hook must see the launch: with one installed the kernel launches through
+    `kernel[grid]`, which calls it, and no prepared launch runs."""
+    kernel, compiled, warmups = jit_kernel
+    indexed = []
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    monkeypatch.setattr(JITFunction, "__getitem__", lambda self, grid: lambda *a, **k: indexed.append(grid))
+    ready = launch.prepare(kernel, (8,), X=1, n=2, scale=3.0, BLOCK=16)
+    assert warmups == [] and indexed == []
+    ready()
+    assert indexed == [(8,)] and compiled.launches == []
