@@ -10,9 +10,10 @@ the host, 2026-12-01 08:12 → 08:37 UTC) the host time after `confirm()` fell f
 (tlx gem and long, triton gem); the launch now starts 1 µs after `confirm()` returns, and the driver launch
 itself takes 41-76 µs before the GPU starts.
 
-Triton versions that lack the runtime pieces it uses (`triton.knobs`, `JITFunction.warmup`), kernels that are
-not plain JIT functions (the interpreter's, an autotuner) and runs with launch hooks installed (a profiler
-that wants to see each launch) launch the usual way, when the returned callable is called.
+Triton versions without `triton.knobs` (where the launch hooks it must respect live; 3.6, fbtriton 3.7.4 and
+3.9 have it and launch their JIT functions this way), kernels that are not plain JIT functions (the
+interpreter's, an autotuner) and runs with launch hooks installed (a profiler that wants to see each launch)
+launch the usual way, when the returned callable is called.
 """
 
 from __future__ import annotations
