@@ -8,10 +8,10 @@ static zigzag dealing (round r: tile r·P + p when r is even, r·P + P-1-p when 
 consumers derive the same tile sequence independently and need no hand-off.
 
 One CTA = three warpgroups:
-- producer (the "default" task, 4 warps, 40 registers): per tile, TMA loads of the two 64-row halves of the
+- producer (the "default" task, 4 warps, 24 registers): per tile, TMA loads of the two 64-row halves of the
   query block (one per consumer) into slot r % Q_BUFFERS, then for every key block of
   `jfa.block_info.kv_block_range` a K and a V tile into a ring of KV_BUFFERS slots;
-- two consumers (4 warps each, 232 registers): consumer c owns query rows [c·64, c·64 + 64) of the tile.
+- two consumers (4 warps each, 240 registers): consumer c owns query rows [c·64, c·64 + 64) of the tile.
   Per key block: S = Q·Kᵀ (wgmma, Q and K from shared memory), the online softmax of `jfa.softmax` over raw
   scores, acc += P·V (wgmma, P from registers rounded to the input dtype). The PV product of block j - 1 runs
   while the softmax of block j is computed: the QK of block j is issued first, then the PV of block j - 1,
@@ -63,7 +63,10 @@ from jfa.triton.forward import sequence_bounds
 QK_TURN_0 = tl.constexpr(9)
 QK_TURN_1 = tl.constexpr(10)
 CONSUMER_THREADS = tl.constexpr(256)
-CONSUMER_REGISTERS = tl.constexpr(232)  # per thread; the producer gets what is left (65,536 per SM)
+# Per consumer thread; the producer gets what is left (65,536 per SM): 24, as the dQ pass's producer (the same
+# _load_tiles) has. At 232 (the producer 40) ptxas spilled 96 bytes at D 128 (168 with causal and window), at 240
+# 8 (40): gem's forward 2.637 -> 2.486 ms of device time on the H200, long's 1.982 -> 1.945, the same bits.
+CONSUMER_REGISTERS = tl.constexpr(240)
 
 
 @triton.jit
