@@ -38,3 +38,28 @@ def test_summary_means_rounds_and_compares_bits():
     assert lines[2].split() == ["gem:causal", "fwd+bwd", "10.000", "8.000", "0.800", "DIFFER"]
     assert lines[3].split() == ["long", "fwd", "(one", "side", "only)"]
     assert len(lines) == 4
+
+
+def test_pass_digests_hash_each_pass_and_leave_unordered_dq_out():
+    """The forward's bits and the gradients' are separate; a dq summed in no fixed order does not take part
+    (it differs between runs of one tree), while dk and dv still do."""
+    import torch
+
+    out = (torch.arange(6, dtype=torch.float32),)
+    dq, dk, dv = (torch.full((2, 3), float(i)) for i in range(3))
+    ordered = ab_probe.pass_digests(out, (dq, dk, dv), unordered_dq=False)
+    unordered = ab_probe.pass_digests(out, (dq, dk, dv), unordered_dq=True)
+    assert ordered["fwd"] == unordered["fwd"] != ordered["fwd+bwd"]
+    other_dq = ab_probe.pass_digests(out, (dq + 1, dk, dv), unordered_dq=True)
+    assert other_dq == unordered
+    assert ab_probe.pass_digests(out, (dq + 1, dk, dv), unordered_dq=False) != ordered
+    assert ab_probe.pass_digests(out, (dq, dk, dv + 1), unordered_dq=True) != unordered
+
+
+def test_summary_names_what_the_bits_cover():
+    records = [dict(_record("base:1", "gem:tlx", "fwd+bwd", 10.0), dq_compared=False),
+               dict(_record("mine:1", "gem:tlx", "fwd+bwd", 9.0), dq_compared=False),
+               _record("base:1", "gem", "fwd+bwd", 10.0), _record("mine:1", "gem", "fwd+bwd", 9.0)]
+    lines = ab_probe.summary(records)
+    assert lines[1].endswith("same (dk, dv; dq is added in no fixed order)")
+    assert lines[2].endswith("same")
