@@ -44,6 +44,8 @@ def prepare(kernel, grid: tuple[int, ...], *args, **kwargs) -> Callable[[], None
     if not isinstance(kernel, JITFunction) or hooks is None or any(hooks):
         return lambda: kernel[grid](*args, **kwargs)
     compiled = kernel.warmup(*args, grid=grid, **kwargs)
+    if compiled is None:  # a jit_cache_hook took the compilation over: let the runtime launch as it would
+        return lambda: kernel[grid](*args, **kwargs)
     if hasattr(compiled, "result"):  # an asynchronous compilation's future
         compiled = compiled.result()
     parameters = kernel.signature.parameters

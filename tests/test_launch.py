@@ -116,3 +116,16 @@ def test_launch_hooks_keep_the_usual_launch(jit_kernel, monkeypatch):
     assert warmups == [] and indexed == []
     ready()
     assert indexed == [(8,)] and compiled.launches == []
+
+
+def test_no_compiled_kernel_keeps_the_usual_launch(jit_kernel, monkeypatch):
+    """warmup returns None when a jit_cache_hook takes the compilation over: the kernel then launches through
+    `kernel[grid]`, when called."""
+    kernel, compiled, _ = jit_kernel
+    indexed = []
+    monkeypatch.setattr(kernel, "warmup", lambda *args, grid, **kwargs: None)
+    monkeypatch.setattr(JITFunction, "__getitem__", lambda self, grid: lambda *a, **k: indexed.append((grid, k)))
+    ready = launch.prepare(kernel, (2,), X=1, n=2, scale=3.0, BLOCK=16)
+    assert indexed == []
+    ready()
+    assert indexed == [((2,), dict(X=1, n=2, scale=3.0, BLOCK=16))] and compiled.launches == []
