@@ -40,12 +40,15 @@ def _current_stream():
 def prepare(kernel, grid: tuple[int, ...], *args, **kwargs) -> Callable[[], None]:
     """A callable that launches `kernel[grid](*args, **kwargs)` on the stream current now, with the runtime's
     binding, specialisation and cache lookup (and a first call's compilation) done here, ahead of it."""
+    def usual() -> None:
+        kernel[grid](*args, **kwargs)
+
     hooks = _launch_hooks()
     if not isinstance(kernel, JITFunction) or hooks is None or any(hooks):
-        return lambda: kernel[grid](*args, **kwargs)
+        return usual
     compiled = kernel.warmup(*args, grid=grid, **kwargs)
     if compiled is None:  # a jit_cache_hook took the compilation over: let the runtime launch as it would
-        return lambda: kernel[grid](*args, **kwargs)
+        return usual
     if hasattr(compiled, "result"):  # an asynchronous compilation's future
         compiled = compiled.result()
     parameters = kernel.signature.parameters
