@@ -64,8 +64,9 @@ QK_TURN_0 = tl.constexpr(9)
 QK_TURN_1 = tl.constexpr(10)
 CONSUMER_THREADS = tl.constexpr(256)
 # Per consumer thread; the producer gets what is left (65,536 per SM): 24, as the dQ pass's producer (the same
-# _load_tiles) has. At 232 (the producer 40) ptxas spilled 96 bytes at D 128 (168 with causal and window), at 240
-# 8 (40): gem's forward 2.637 -> 2.486 ms of device time on the H200, long's 1.982 -> 1.945, the same bits.
+# _load_tiles) has. At 232 (the producer 40) ptxas spilled 96 bytes at D 128 (168 with causal and window); at 240
+# (the producer 24) 8 bytes (40): gem's forward 2.637 -> 2.486 ms of device time on the H200, long's 1.982 ->
+# 1.945, the same bits.
 CONSUMER_REGISTERS = tl.constexpr(240)
 
 
