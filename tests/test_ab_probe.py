@@ -63,3 +63,11 @@ def test_summary_names_what_the_bits_cover():
     lines = ab_probe.summary(records)
     assert lines[1].endswith("same (dk, dv; dq is added in no fixed order)")
     assert lines[2].endswith("same")
+
+
+def test_summary_does_not_compare_digests_of_different_tensors():
+    """A base whose backend adds dq in a fixed order against a tree whose backend waives it (or the reverse):
+    the two sides digest different tensors, so their bits say nothing about each other."""
+    records = [_record("base:1", "gem", "fwd+bwd", 10.0), dict(_record("mine:1", "gem", "fwd+bwd", 9.0),
+                                                                 bits="other", dq_compared=False)]
+    assert ab_probe.summary(records)[1].endswith("not comparable (dq in one side's digests only)")

@@ -67,6 +67,7 @@ def test_kernel_names_are_the_kernels():
     ("_bwd_packed_kernel", "_bwd_packed_kernel"),
     ("_bwd_short_kernel", "_bwd_short_kernel"),
     ("_dq_reduce_kernel", "_dq_reduce_kernel"),
+    ("_delta_kernel", "_delta_kernel"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>>(int, ...)", None),
     ("Memset (Device)", None),
     ("my_fwd_kernel", None),

@@ -60,7 +60,8 @@ KERNELS = {"fwd": "_fwd_kernel", "dq": "_dq_kernel", "dkv": "_dkv_kernel", "shor
 # The TLX kernels (jfa.tlx.forward, jfa.tlx.backward; their modules import only under fbtriton), which
 # scripts/ab_probe.py's `tlx` rows time.
 TLX_KERNELS = ("fwd_ws_kernel", "dq_ws_kernel", "dkv_ws_kernel")
-JFA_KERNELS = (*KERNELS.values(), "_dq_reduce_kernel", *TLX_KERNELS)
+# _delta_kernel: D of every row, ahead of the tlx backward's one pass (`dq_in_dkv`).
+JFA_KERNELS = (*KERNELS.values(), "_delta_kernel", "_dq_reduce_kernel", *TLX_KERNELS)
 # What a role's time sums: its kernel and, for a packed or short-query role, the ordinary kernels of its pass,
 # which take the sequences its block leaves out.
 ROLE_KERNELS = {"fwd": ("_fwd_kernel",), "dq": ("_dq_kernel",), "dkv": ("_dkv_kernel",),
