@@ -96,11 +96,12 @@ def pass_digests(outputs, grads, unordered_dq: bool) -> dict[str, str]:
 
 def summary(records: list[dict]) -> list[str]:
     """Table lines: per (row, pass), each side's mean kernel ms over its rounds, mine/base and the bits."""
-    ms, bits = defaultdict(list), defaultdict(set)
+    ms, bits, compared = defaultdict(list), defaultdict(set), defaultdict(set)
     for r in records:
         side = r["tag"].split(":")[0]
         ms[r["row"], r["op"], side].append(r["kernels_ms"])
         bits[r["row"], r["op"]].add(r["bits"])
+        compared[r["row"], r["op"]].add(r.get("dq_compared", True))
     lines = [f"{'row':16s} {'pass':8s} {'base ms':>9s} {'mine ms':>9s} {'mine/base':>9s}  bits"]
     for row, op in dict.fromkeys((r["row"], r["op"]) for r in records):
         base, mine = ms.get((row, op, "base")), ms.get((row, op, "mine"))
@@ -108,12 +109,11 @@ def summary(records: list[dict]) -> list[str]:
             lines.append(f"{row:16s} {op:8s} {'(one side only)':>29s}")
             continue
         b, m = sum(base) / len(base), sum(mine) / len(mine)
-        compared = {r.get("dq_compared", True) for r in records if (r["row"], r["op"]) == (row, op)}
-        if len(compared) > 1:  # one side's backend waives dq_order, the other's does not: other tensors digested
+        if len(compared[row, op]) > 1:  # one side's backend waives dq_order, the other's not: other tensors digested
             same = "not comparable (dq in one side's digests only)"
         else:
             same = "same" if len(bits[row, op]) == 1 else "DIFFER"
-            if compared == {False}:
+            if compared[row, op] == {False}:
                 same += " (dk, dv; dq is added in no fixed order)"
         lines.append(f"{row:16s} {op:8s} {b:9.3f} {m:9.3f} {m / b:9.3f}  {same}")
     return lines
