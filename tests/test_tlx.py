@@ -91,7 +91,8 @@ def test_backward_is_the_triton_backward_with_the_tlx_passes(monkeypatch, dims, 
     """The tlx backward is the Triton backend's, given the TLX dK/dV pass exactly where the TLX kernels cover
     the head dims (D = Dv in CONFIGS) and the TLX dQ pass where, besides, there are key rows (a TMA descriptor
     needs one) and no broadcast_q; without deterministic, where the dK/dV pass runs with key rows, that pass
-    adds dq itself (dq_in_dkv) and no dQ pass is given."""
+    adds dq itself (dq_in_dkv) and no dQ pass is given. The TLX short-query pass wherever the dK/dV pass runs
+    with key rows, in both modes (it is deterministic)."""
     from types import SimpleNamespace
 
     from jfa.tlx import backend
@@ -104,11 +105,72 @@ def test_backward_is_the_triton_backward_with_the_tlx_passes(monkeypatch, dims, 
                               deterministic=deterministic)
     args = ("dout", "q", "k", "v", "out", "lse", ("m", "l"), problem)
     assert backend.BACKEND.backward(*args) == "grads"
+    short = backend._launch_short if dkv and kv_rows else None
     if dkv and kv_rows and not deterministic:
-        assert seen == [(args, {"dkv_pass": backend._launch_dkv, "dq_in_dkv": True})]
+        assert seen == [(args, {"dkv_pass": backend._launch_dkv, "dq_in_dkv": True, "short_pass": short})]
     else:
         assert seen == [(args, {"dkv_pass": backend._launch_dkv if dkv else None,
-                                "dq_pass": backend._launch_dq if dq else None})]
+                                "dq_pass": backend._launch_dq if dq else None, "short_pass": short})]
+
+
+def test_short_query_table_blocks_are_the_tlx_short_pass_blocks():
+    """The TLX short-query pass walks the Triton short-query table with that table's blocks (its tiles are
+    sorted by, and its key ranges computed in, key blocks of that size) at every head dim the pass covers."""
+    from jfa.tlx import backend
+    from jfa.triton import backend as triton_backend
+
+    for d in backend.CONFIGS:
+        cfg = triton_backend.gpu_config(triton_backend.padded_dim(d)).short_bwd
+        assert (cfg.block_m, cfg.block_n) == (backend.SHORT_BLOCK_M, backend.SHORT_BLOCK_N), d
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_triton_backward_runs_a_given_short_pass_instead_of_its_kernel(small_blocks, monkeypatch, deterministic):
+    """With `short_pass` the Triton backward leaves dq, dk and dv of the short-query sequences to it: called
+    once with the device short-query table and the dq output (not partial without broadcast_q and dq_in_dkv),
+    after D of every row has been computed, which happens once (the dq_in_dkv pass reads the same D)."""
+    from verify.runner import nan_filled_allocations
+
+    triton_backend = small_blocks
+    q_lens, kv_lens = [20, 30, 5, 150, 0], [100, 60, 200, 120, 40]
+    (q, k, v), problem = _problem(q_lens, kv_lens, hq=2, hkv=2, d=16, deterministic=deterministic)
+    out, lse, residuals = triton_backend.BACKEND.forward(q, k, v, problem)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.dtype)
+    want = triton_backend.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem)
+    sched = triton_backend.device_schedule(problem, triton_backend.SMALL_BLOCKS)
+    short = np.unique(sched.host.short_bwd.entries[:, 0])
+    assert short.tolist() == [0, 1, 2]
+    q_rows = torch.from_numpy(rows_of(problem.q_offsets_host.numpy(), np.asarray(q_lens), short))
+    kv_rows = torch.from_numpy(rows_of(problem.kv_offsets_host.numpy(), np.asarray(kv_lens), short))
+    deltas = []
+    real_delta = triton_backend._delta
+    monkeypatch.setattr(triton_backend, "_delta", lambda *a: deltas.append(a) or real_delta(*a))
+    calls = []
+
+    def short_pass(q, k, v, dout, dq, dk, dv, row_max, row_sum, delta, table, problem, partial):
+        calls.append((table, delta.clone(), partial, dq.dtype,
+                      bool(dk[kv_rows].isnan().all() and dv[kv_rows].isnan().all())))
+        dq[q_rows] = want[0][q_rows].to(dq.dtype)
+        dk[kv_rows] = want[1][kv_rows]
+        dv[kv_rows] = want[2][kv_rows]
+
+    dkv_pass = None
+    if not deterministic:  # the tlx backend's one-pass mode: the dK/dV pass adds dq (here the Triton one's)
+        def dkv_pass(q, k, v, dout, dk, dv, row_max, row_sum, delta, table, problem, dq):
+            ordinary = torch.from_numpy(rows_of(problem.q_offsets_host.numpy(), np.asarray(q_lens), [3]))
+            dk.copy_(torch.where(dk.isnan(), want[1], dk))
+            dv.copy_(torch.where(dv.isnan(), want[2], dv))
+            dq[ordinary] += want[0][ordinary].float()
+
+    with nan_filled_allocations():
+        got = triton_backend.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass=dkv_pass,
+                                              dq_in_dkv=not deterministic, short_pass=short_pass)
+    assert len(calls) == 1 and len(deltas) == 1
+    table, delta, partial, dq_dtype, unwritten = calls[0]
+    assert table is sched.short_bwd and unwritten
+    assert partial == (not deterministic) and dq_dtype == (torch.float32 if partial else q.dtype)
+    torch.testing.assert_close(delta, (dout.float() * out.float()).sum(-1).T, rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 @pytest.fixture
@@ -363,16 +425,28 @@ def test_config_reports_the_path():
 
     _, problem = _problem([300, 20, 0], [250, 20, 3], causal=True, deterministic=True)
     info = BACKEND.config(problem)
-    assert info["path"] == "tlx" and info["backward"] == "TLX dQ and dK/dV passes, Triton for tiny sequences"
+    assert info["path"] == "tlx" and info["backward"] == "TLX dQ and dK/dV passes, Triton for the rest"
     reduce = BACKEND.config(_problem([300, 20, 0], [250, 20, 3], causal=True)[1])
     assert reduce["backward"] == ("TLX dK/dV pass adding dq by TMA reduce (deterministic=False), Triton for "
-                                  "tiny sequences")
+                                  "the rest")
     assert info["schedule"] == "static zigzag"
     assert info["block_m"] == 128 and info["tiles"] == 3 * 4 and info["triton_sequences"] == 2
     other = BACKEND.config(_problem([30], [30], d=80)[1])
     assert other["path"] == "triton" and other["backward"] == "triton"
     broadcast = BACKEND.config(_problem([300, 300], [250, 20], broadcast_q=True, deterministic=True)[1])
-    assert broadcast["backward"] == "triton, dK/dV pass by TLX"
+    assert broadcast["backward"] == "TLX dK/dV pass, Triton dQ, Triton for the rest"
+    # Short queries (at most 128 rows, no GQA) take the TLX short-query pass in both modes; a batch of
+    # them has no dK/dV tiles.
+    for deterministic in (True, False):
+        short = BACKEND.config(_problem([128] * 3, [700, 90, 0], hkv=4, broadcast_q=True,
+                                        deterministic=deterministic)[1])
+        assert short["backward"] == "TLX short-query pass, Triton for the rest"
+    mixed = BACKEND.config(_problem([100, 300], [500, 400], hkv=4)[1])
+    assert mixed["backward"] == ("TLX short-query pass, TLX dK/dV pass adding dq by TMA reduce "
+                                 "(deterministic=False), Triton for the rest")
+    # With GQA no sequence takes a short-query tile (each key's dk sums over the group's heads).
+    assert BACKEND.config(_problem([100, 300], [500, 400], hkv=2)[1])["backward"] == (
+        "TLX dK/dV pass adding dq by TMA reduce (deterministic=False), Triton for the rest")
     # Without ordinary sequences (no keys; only tiny ones) no TLX pass has a tile to run.
     no_keys = BACKEND.config(_problem([300, 20], [0, 0])[1])
     assert no_keys["path"] == "fill" and no_keys["backward"] == "triton"

@@ -14,9 +14,11 @@ Paths (`BACKEND.config(problem)["path"]` names the one a call takes; the verify 
 - "none": no query rows (B = 0 or all q lengths 0): empty outputs, nothing is launched.
 bf16 and fp16 both take the TLX path.
 
-Backward (`config()["backward"]` says which): `jfa.triton.backend.BACKEND.backward` (short-query and packed
-sequences in its own kernels), its dQ and dK/dV passes over the ordinary sequences replaced by the kernels of
-`jfa.tlx.backward` where the head dims are the TLX forward's (D = Dv in {64, 128}; `tlx_dkv`). With
+Backward (`config()["backward"]` says which): `jfa.triton.backend.BACKEND.backward` (packed sequences in its
+own kernels), its short-query, dQ and dK/dV passes replaced by the kernels of `jfa.tlx.backward` where the
+head dims are the TLX forward's (D = Dv in {64, 128}; `tlx_dkv`). The short-query pass (`tlx_short`, with key
+rows) takes the Triton short-query table's tiles (at most 128 query rows, no GQA: broadcast_q's sequences
+typically) in both modes: dq, dk and dv in one pass over the keys, dq held in registers, deterministic. With
 deterministic=False and key rows (`tlx_dq_reduce`) one pass: the dK/dV kernel also adds dq by TMA reduce into
 an fp32 array (dq summed in no fixed order; dk and dv deterministic). With deterministic=True two passes, the
 dQ pass only with key rows and without broadcast_q (`tlx_dq`; broadcast_q's dQ is the Triton reduction over
@@ -226,6 +228,9 @@ def _launch_tlx(q, k, v, out, lse, row_max, row_sum, plan: HostPlan, problem: Pr
 
 # The dK/dV pass (`jfa.tlx.backward`): query rows per block, keys per tile, depth of the Q/dO ring.
 BWD_BLOCK_M, BWD_BLOCK_N, BWD_BUFFERS = 64, 128, 2
+# The short-query pass: every query row of a sequence (the Triton short-query table's BLOCK_M), keys per block
+# (that table's BLOCK_N, by which its tiles are sorted), depths of the K and V rings.
+SHORT_BLOCK_M, SHORT_BLOCK_N, SHORT_K_BUFFERS, SHORT_V_BUFFERS = 128, 64, 3, 2
 _KEY_TABLES: OrderedDict = OrderedDict()
 
 
@@ -249,17 +254,21 @@ def tlx_dq_reduce(problem: Problem) -> bool:
 
 
 def backward_route(problem: Problem) -> str:
-    """Which passes of the backward are TLX kernels (`config()["backward"]`): none without ordinary sequences
-    (the TLX passes take only the Triton backward's dQ and dK/dV tiles)."""
+    """Which passes of the backward are TLX kernels (`config()["backward"]`), of those with tiles in the Triton
+    backward's schedule (the TLX passes take its short-query, dQ and dK/dV tiles); "triton" when none."""
     from jfa.triton.backend import config_for, device_schedule
 
-    if device_schedule(problem, config_for(problem)).host.dkv.n_tiles == 0:
-        return "triton"
-    if tlx_dq_reduce(problem):
-        return "TLX dK/dV pass adding dq by TMA reduce (deterministic=False), Triton for tiny sequences"
-    if tlx_dq(problem):
-        return "TLX dQ and dK/dV passes, Triton for tiny sequences"
-    return "triton, dK/dV pass by TLX" if tlx_dkv(problem) else "triton"
+    host = device_schedule(problem, config_for(problem)).host
+    passes = []
+    if host.short_bwd.n_tiles and tlx_short(problem):
+        passes.append("TLX short-query pass")
+    if host.dkv.n_tiles and tlx_dq_reduce(problem):
+        passes.append("TLX dK/dV pass adding dq by TMA reduce (deterministic=False)")
+    elif host.dkv.n_tiles and tlx_dq(problem):
+        passes.append("TLX dQ and dK/dV passes")
+    elif host.dkv.n_tiles and tlx_dkv(problem):
+        passes.append("TLX dK/dV pass, Triton dQ")
+    return ", ".join(passes + ["Triton for the rest"]) if passes else "triton"
 
 
 def key_table(problem: Problem, triton_table: ts.TileTable, window) -> tuple[ts.TileTable, dict]:
@@ -321,12 +330,13 @@ def _launch_dq(q, k, v, out, dout, dq, row_max, row_sum, delta, triton_table, pr
     )
 
 
-def _statistics_descriptor(x: torch.Tensor):
-    """A flat 1-D descriptor of the [Hq, rows] fp32 statistics x with boxes of 2·BWD_BLOCK_M (the kernel
-    starts each box at a 16-byte aligned element); arrays shorter than a box are copied into one."""
+def _statistics_descriptor(x: torch.Tensor, block_m: int):
+    """A flat 1-D descriptor of the [Hq, rows] fp32 statistics x with boxes of 2·block_m, for blocks of block_m
+    rows (the kernel starts each box at the 16-byte aligned element at or below a block's first row, at most 3
+    before it); arrays shorter than a box are copied into one."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    box = 2 * BWD_BLOCK_M
+    box = 2 * block_m
     flat = x.reshape(-1)
     if flat.numel() < box:
         flat = torch.cat([flat, flat.new_zeros(box - flat.numel())])
@@ -347,7 +357,7 @@ def _launch_dkv(q, k, v, dout, dk, dv, row_max, row_sum, delta, triton_table, pr
     desc_do, sdo_h = _descriptor(dout, BWD_BLOCK_M)
     desc_k, sk_h = _descriptor(k, BWD_BLOCK_N // 2)
     desc_v, sv_h = _descriptor(v, BWD_BLOCK_N // 2)
-    desc_m, desc_l, desc_delta = (_statistics_descriptor(x) for x in (row_max, row_sum, delta))
+    desc_m, desc_l, desc_delta = (_statistics_descriptor(x, BWD_BLOCK_M) for x in (row_max, row_sum, delta))
     desc_dq = None
     if dq is not None:  # boxes of one 64-row block × half a head's columns, at column head·D + c·D/2
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -372,12 +382,46 @@ def _launch_dkv(q, k, v, dout, dk, dv, row_max, row_sum, delta, triton_table, pr
     )
 
 
+def tlx_short(problem: Problem) -> bool:
+    """Whether the TLX short-query pass takes the Triton short-query table's tiles: the head dims of the dK/dV
+    pass, with key rows (a TMA descriptor needs one)."""
+    return tlx_dkv(problem) and problem.kv_rows > 0
+
+
+def _launch_short(q, k, v, dout, dq, dk, dv, row_max, row_sum, delta, table, problem: Problem, partial: bool) -> None:
+    """The TLX short-query pass (`jfa.tlx.backward.short_ws_kernel`) over the Triton short-query tile table
+    `table` (device int32, blocks of SHORT_BLOCK_M × SHORT_BLOCK_N, as the kernel walks them): dq (the fp32
+    partial at the output rows when `partial`), dk and dv of its sequences; D (delta) computed before."""
+    from jfa.triton.backend import effective_window, scale_log2
+
+    device = q.device
+    kernel = importlib.import_module(BWD_KERNELS[_arch(device)]).short_ws_kernel
+    desc_q, sq_h = _descriptor(q, SHORT_BLOCK_M)
+    desc_do, sdo_h = _descriptor(dout, SHORT_BLOCK_M)
+    desc_k, sk_h = _descriptor(k, SHORT_BLOCK_N)
+    desc_v, sv_h = _descriptor(v, SHORT_BLOCK_N)
+    desc_m, desc_l, desc_delta = (_statistics_descriptor(x, SHORT_BLOCK_M) for x in (row_max, row_sum, delta))
+    n_tiles = table.numel() // 2 * problem.q_heads
+    scale = problem.sm_scale
+    launch_confirmed(
+        problem, kernel, (_persistent_programs(n_tiles, device),),
+        desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, dq, dk, dv,
+        table, n_tiles, problem.q_offsets, problem.out_offsets, problem.kv_offsets,
+        sq_h, sdo_h, sk_h, sv_h, dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        row_max.stride(0), q.shape[0], dout.shape[0], k.shape[0], scale_log2(problem), scale,
+        effective_window(problem), problem.q_heads,
+        HEAD_DIM=problem.head_dim, BLOCK_M=SHORT_BLOCK_M, BLOCK_N=SHORT_BLOCK_N, K_BUFFERS=SHORT_K_BUFFERS,
+        V_BUFFERS=SHORT_V_BUFFERS, NEG_SCALE=scale < 0, HAS_WINDOW=problem.window is not None,
+        CAUSAL=problem.causal, DQ_PARTIAL=partial, num_warps=NUM_WARPS, num_stages=1,
+    )
+
+
 class TlxBackend:
     name = "tlx"
     speculative = True  # _launch_tlx and the Triton launches confirm the problem first
     description = ("TLX warp-specialised Hopper forward (TMA producer, ping-pong wgmma consumers, persistent "
-                   "zigzag tiles) and dQ and dK/dV passes for D = Dv in {64, 128}; Triton forward and backward "
-                   "otherwise and for tiny sequences, and broadcast-Q's dQ")
+                   "zigzag tiles) and short-query, dQ and dK/dV passes for D = Dv in {64, 128}; Triton forward "
+                   "and backward otherwise and for tiny sequences, and broadcast-Q's dQ reduction")
 
     def unavailable(self, device: torch.device) -> str | None:
         missing = tlx_missing()
@@ -432,15 +476,18 @@ class TlxBackend:
         return out, lse, (row_max, row_sum)
 
     def backward(self, dout, q, k, v, out, lse, residuals, problem: Problem):
-        """The Triton backend's backward (residuals m and l are those the Triton forward writes), its dQ and
-        dK/dV passes replaced by the TLX kernels where those cover the problem (`tlx_dq`, `tlx_dkv`)."""
+        """The Triton backend's backward (residuals m and l are those the Triton forward writes), its
+        short-query, dQ and dK/dV passes replaced by the TLX kernels where those cover the problem
+        (`tlx_short`, `tlx_dq`, `tlx_dkv`)."""
         from jfa.triton.backend import BACKEND as TRITON
 
+        short_pass = _launch_short if tlx_short(problem) else None
         if tlx_dq_reduce(problem):
-            return TRITON.backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass=_launch_dkv, dq_in_dkv=True)
+            return TRITON.backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass=_launch_dkv, dq_in_dkv=True,
+                                   short_pass=short_pass)
         return TRITON.backward(dout, q, k, v, out, lse, residuals, problem,
                                dkv_pass=_launch_dkv if tlx_dkv(problem) else None,
-                               dq_pass=_launch_dq if tlx_dq(problem) else None)
+                               dq_pass=_launch_dq if tlx_dq(problem) else None, short_pass=short_pass)
 
 
 BACKEND = TlxBackend()

@@ -1,8 +1,10 @@
 """TLX warp-specialised backward passes for Hopper (sm_90), each a TMA producer and two wgmma consumers: dK/dV
-(`dkv_ws_kernel`) and, at the end of this module, dQ with D (`dq_ws_kernel`).
+(`dkv_ws_kernel`), dQ with D (`dq_ws_kernel`) and, at the end of this module, the short-query pass
+(`short_ws_kernel`: the whole backward of sequences of at most 128 query rows, deterministic in both modes).
 
 Imported only when fbtriton (Triton with TLX) is installed: `jfa.tlx.backend` imports it lazily. The rest of
-the backward (short-query and packed sequences, broadcast_q's dQ) stays with the Triton kernels. Two modes:
+the backward (packed sequences, broadcast_q's dQ reduction) stays with the Triton kernels. Two modes of the
+dQ and dK/dV passes:
 - deterministic=True: the dQ pass runs first and the dK/dV pass reads the D = rowsum(dO∘O) it stores. Nothing
   is accumulated with atomics, so every gradient is deterministic and batch invariant, as with the Triton
   backward; and since both add the same products to each key's dk and dv (and each row's dq) in the same
@@ -367,3 +369,224 @@ def dq_ws_kernel(
                       RowMax, RowSum, Delta, tiles, n_tiles, q_offsets, out_offsets, kv_offsets, so_t, so_h, sdq_t,
                       sdq_h, stat_h, scale_log2, sm_scale, window, n_heads, tlx.async_task_replica_id(), HEAD_DIM,
                       BLOCK_M, BLOCK_N, Q_BUFFERS, KV_BUFFERS, NEG_SCALE, HAS_WINDOW, CAUSAL)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The short-query backward (`short_ws_kernel`): tile = (sequence, query head) of a sequence whose q_len <= 128
+# query rows are all resident (the Triton short-query table: no GQA, so each key's dk and dv come from this
+# tile alone). The producer loads the tile's Q, dO and row statistics (m, l, D) once, then the sequence's key
+# blocks of 64 through rings of K_BUFFERS and V_BUFFERS. The consumers take the blocks in pairs, consumer c
+# block 2i + c of pair i, against all the query rows: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, Pᵀ recomputed, dv = Pᵀ·dO
+# and dk = dSᵀ·Q complete and stored at once. dq stays in registers over the whole sequence, split by columns
+# (consumer c holds dq[:, c·D/2 : (c + 1)·D/2], 128 rows × D/2 in fp32): each pair's two dSᵀ tiles meet in
+# shared memory (named barrier DS_READY) and each consumer adds both blocks' dS·K to its columns. dq is stored
+# once per tile (the fp32 partial at the output rows when `DQ_PARTIAL`), so every gradient is deterministic;
+# the products and their order are the Triton short-query kernel's (128 × 64 blocks), and so are the bits
+# (the same dq, dk and dv on jfa.bench's broadcast row on the H200, in both modes).
+# Barriers: q_full/q_empty (one slot; q_empty takes both consumers' arrivals), k_full/k_empty and v_full/v_empty
+# per ring slot (k_empty: both consumers, after the pair's dq products read the block's K; v_empty: the block's
+# consumer, once dPᵀ retired: V is released a pair earlier than K, so its ring is shorter), ds_free[c]: the
+# other consumer has read consumer c's last dSᵀ (consumer c waits on it before writing the next one).
+# Measured on the broadcast row (H200, 2026-12-01): the statistics read from global memory per block instead
+# of from shared memory made the kernel 1.77 -> 2.15 ms, and the K ring of 4 that the freed shared memory
+# allows won back only 2% of that (2.11 ms).
+
+
+@triton.jit
+def _load_short(desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, q_tile, do_tile, k_tiles, v_tiles,
+                m_tile, l_tile, delta_tile, q_full, q_empty, k_full, k_empty, v_full, v_empty, tiles, n_tiles,
+                q_offsets, out_offsets, kv_offsets, sq_h, sdo_h, sk_h, sv_h, stat_h, q_rows, out_rows, kv_rows, window,
+                n_heads,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_BUFFERS: tl.constexpr,
+                V_BUFFERS: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
+    """The producer: per tile the query block with its dO and statistics, then every key block it visits."""
+    ELEM: tl.constexpr = tlx.size_of(tlx.dtype_of(desc_q))
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    kv_count = 0
+    for r in range(0, _rounds(pid, nprog, n_tiles)):
+        head, _, q_start, out_start, _, kv_start, _, lo, _, _, hi = _tile(
+            tiles, _tile_round(r, pid, nprog), n_heads, q_offsets, out_offsets, kv_offsets, window, BLOCK_M,
+            BLOCK_N, HAS_WINDOW, CAUSAL)
+        tlx.barrier_wait(q_empty[0], (r & 1) ^ 1)  # both consumers retired the previous tile's products
+        tlx.barrier_expect_bytes(q_full[0], 2 * ELEM * BLOCK_M * HEAD_DIM + 3 * 4 * 2 * BLOCK_M)
+        tlx.async_descriptor_load(desc_q, q_tile[0], [tl.minimum(q_start, q_rows - 1), head * sq_h], q_full[0])
+        tlx.async_descriptor_load(desc_do, do_tile[0], [tl.minimum(out_start, out_rows - 1), head * sdo_h],
+                                  q_full[0])
+        stat = head * stat_h + out_start
+        aligned = stat - stat % STAT_ALIGN  # TMA's 16-byte aligned start, as in `_load_blocks`
+        tlx.async_descriptor_load(desc_m, m_tile[0], [aligned], q_full[0])
+        tlx.async_descriptor_load(desc_l, l_tile[0], [aligned], q_full[0])
+        tlx.async_descriptor_load(desc_delta, delta_tile[0], [aligned], q_full[0])
+        for n in range(lo, hi, BLOCK_N):
+            # Clamped into the tensor: only a block past the sequence (never stored) can start past the last row.
+            row = tl.minimum(kv_start + n, kv_rows - 1)
+            slot = kv_count % K_BUFFERS
+            tlx.barrier_wait(k_empty[slot], ((kv_count // K_BUFFERS) & 1) ^ 1)
+            tlx.barrier_expect_bytes(k_full[slot], ELEM * BLOCK_N * HEAD_DIM)
+            tlx.async_descriptor_load(desc_k, k_tiles[slot], [row, head * sk_h], k_full[slot])
+            slot = kv_count % V_BUFFERS
+            tlx.barrier_wait(v_empty[slot], ((kv_count // V_BUFFERS) & 1) ^ 1)
+            tlx.barrier_expect_bytes(v_full[slot], ELEM * BLOCK_N * HEAD_DIM)
+            tlx.async_descriptor_load(desc_v, v_tiles[slot], [row, head * sv_h], v_full[slot])
+            kv_count += 1
+
+
+@triton.jit
+def _zero_keys(DK, DV, kv_start, head, start, end, sdk_t, sdk_h, sdv_t, sdv_h, DT: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dk = dv = 0 for keys [start, end) (keys no query row sees)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    zeros = tl.zeros([BLOCK_N, HEAD_DIM], dtype=DT)
+    for n in range(start, end, BLOCK_N):
+        keys = n + tl.arange(0, BLOCK_N)
+        key_ok = (keys < end)[:, None]
+        key_rows = tl.cast(kv_start + keys, tl.int64)
+        tl.store(DK + (key_rows * sdk_t + tl.cast(head, tl.int64) * sdk_h)[:, None] + offs_d[None, :], zeros,
+                 mask=key_ok)
+        tl.store(DV + (key_rows * sdv_t + tl.cast(head, tl.int64) * sdv_h)[:, None] + offs_d[None, :], zeros,
+                 mask=key_ok)
+
+
+@triton.jit
+def _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, q_full, q_empty, k_full, k_empty,
+                 v_full, v_empty, ds_tiles, ds_free, DQ, DK, DV, tiles, n_tiles, q_offsets, out_offsets, kv_offsets,
+                 sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, scale_log2, sm_scale, window, n_heads,
+                 cid: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_BUFFERS: tl.constexpr,
+                 V_BUFFERS: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+                 DQ_PARTIAL: tl.constexpr):
+    """Consumer `cid`: dk and dv of key blocks 2i + cid of every tile of this program, and columns
+    [cid·D/2, cid·D/2 + D/2) of every tile's dq."""
+    COLS: tl.constexpr = HEAD_DIM // 2
+    DT: tl.constexpr = DK.dtype.element_ty
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_q = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv_count = 0  # key blocks of this program's earlier tiles (the ring position of block 0 of this one)
+    written = 0  # dSᵀ tiles this consumer has written (the phase of ds_free[cid])
+    for r in range(0, _rounds(pid, nprog, n_tiles)):
+        head, _, q_start, out_start, q_len, kv_start, kv_len, lo, full_lo, full_hi, hi = _tile(
+            tiles, _tile_round(r, pid, nprog), n_heads, q_offsets, out_offsets, kv_offsets, window, BLOCK_M,
+            BLOCK_N, HAS_WINDOW, CAUSAL)
+        row_ok = offs_q < q_len
+        stat_at = (head * stat_h + out_start) % STAT_ALIGN + offs_q  # in the statistics boxes
+        n_blocks = tl.cdiv(hi - lo, BLOCK_N)
+        tlx.barrier_wait(q_full[0], r & 1)
+        dq = tl.zeros([BLOCK_M, COLS], dtype=tl.float32)
+        for i in range(0, tl.cdiv(n_blocks, 2)):
+            j = 2 * i + cid
+            if j < n_blocks:
+                slot = (kv_count + j) % K_BUFFERS
+                v_slot = (kv_count + j) % V_BUFFERS
+                tlx.barrier_wait(k_full[slot], ((kv_count + j) // K_BUFFERS) & 1)
+                # One product in flight at a time: beside dq's 64 registers a thread, two [64, 128] fp32 tiles
+                # and the rows' statistics fill the 240; the other consumer's products fill the gaps.
+                st = tlx.async_dot_wait(0, tlx.async_dot(k_tiles[slot], tlx.local_trans(q_tile[0])))  # Sᵀ
+                # Foreign rows (past q_len) get -inf on every block, the rule only on blocks outside
+                # [full_lo, full_hi) (keys past kv_len among them), as in the forward.
+                s_raw = tl.where(row_ok[None, :], raw_scores(st, NEG_SCALE), float("-inf"))
+                n = lo + j * BLOCK_N
+                if (n < full_lo) | (n >= full_hi):
+                    seen = visible(offs_q[None, :], (n + tl.arange(0, BLOCK_N))[:, None], q_len, kv_len, window,
+                                   HAS_WINDOW, CAUSAL)
+                    s_raw = tl.where(seen, s_raw, float("-inf"))
+                m_b, inv_b = backward_row_stats(tlx.local_gather(m_tile[0], stat_at, 0),
+                                                tlx.local_gather(l_tile[0], stat_at, 0))
+                pt = shifted_exp2((s_raw - m_b[None, :]) * scale_log2) * inv_b[None, :]
+                tlx.barrier_wait(v_full[v_slot], ((kv_count + j) // V_BUFFERS) & 1)
+                dpt = tlx.async_dot_wait(0, tlx.async_dot(v_tiles[v_slot], tlx.local_trans(do_tile[0])))  # dPᵀ
+                tlx.barrier_arrive(v_empty[v_slot], 1)
+                # D of rows past the sequence may never have been written: 0 there (0 · NaN would poison dk).
+                delta = tl.where(row_ok, tlx.local_gather(delta_tile[0], stat_at, 0), 0.0)
+                dst = (pt * (dpt - delta[None, :])).to(DT)
+                pt = pt.to(DT)
+                tlx.barrier_wait(ds_free[cid], (written & 1) ^ 1)  # the other consumer read the last one
+                tlx.local_store(ds_tiles[cid], dst)
+                tlx.fence("async_shared")
+                written += 1
+                dv = tlx.async_dot_wait(0, tlx.async_dot(pt, do_tile[0]))
+                keys = n + tl.arange(0, BLOCK_N)
+                key_ok = keys < kv_len
+                key_rows = tl.cast(kv_start + keys, tl.int64)
+                tl.store(DV + (key_rows * sdv_t + tl.cast(head, tl.int64) * sdv_h)[:, None] + offs_d[None, :],
+                         dv.to(DT), mask=key_ok[:, None])
+                dk = tlx.async_dot_wait(0, tlx.async_dot(dst, q_tile[0]))
+                tl.store(DK + (key_rows * sdk_t + tl.cast(head, tl.int64) * sdk_h)[:, None] + offs_d[None, :],
+                         (dk * sm_scale).to(DT), mask=key_ok[:, None])
+            tlx.named_barrier_wait(DS_READY, CONSUMER_THREADS)  # the pair's dSᵀ tiles are in shared memory
+            first = (kv_count + 2 * i) % K_BUFFERS
+            dq = tlx.async_dot(tlx.local_trans(ds_tiles[0]),
+                               tlx.local_slice(k_tiles[first], [0, cid * COLS], [BLOCK_N, COLS]), dq)
+            paired = 2 * i + 1 < n_blocks
+            second = (kv_count + 2 * i + 1) % K_BUFFERS
+            if paired:
+                dq = tlx.async_dot(tlx.local_trans(ds_tiles[1]),
+                                   tlx.local_slice(k_tiles[second], [0, cid * COLS], [BLOCK_N, COLS]), dq)
+            dq = tlx.async_dot_wait(0, dq)
+            tlx.barrier_arrive(k_empty[first], 1)
+            if cid == 1:
+                tlx.barrier_arrive(ds_free[0], 1)
+            if paired:
+                tlx.barrier_arrive(k_empty[second], 1)
+                if cid == 0:
+                    tlx.barrier_arrive(ds_free[1], 1)
+        tlx.barrier_arrive(q_empty[0], 1)  # every product reading this tile's Q and dO has retired
+        kv_count += n_blocks
+        # Keys outside [lo, hi) (a window's) are seen by no row: exact zeros, consumer 0 below, 1 above.
+        if cid == 0:
+            _zero_keys(DK, DV, kv_start, head, 0, lo, sdk_t, sdk_h, sdv_t, sdv_h, DT, HEAD_DIM, BLOCK_N)
+        else:
+            _zero_keys(DK, DV, kv_start, head, hi, kv_len, sdk_t, sdk_h, sdv_t, sdv_h, DT, HEAD_DIM, BLOCK_N)
+        dq = dq * sm_scale
+        cols = cid * COLS + tl.arange(0, COLS)
+        if DQ_PARTIAL:
+            dq_rows = tl.cast(out_start + offs_q, tl.int64) * sdq_t + tl.cast(head, tl.int64) * sdq_h
+            tl.store(DQ + dq_rows[:, None] + cols[None, :], dq, mask=row_ok[:, None])
+        else:
+            dq_rows = tl.cast(q_start + offs_q, tl.int64) * sdq_t + tl.cast(head, tl.int64) * sdq_h
+            tl.store(DQ + dq_rows[:, None] + cols[None, :], dq.to(DT), mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["n_tiles", "n_heads", "window", "stat_h", "q_rows", "out_rows", "kv_rows"])
+def short_ws_kernel(
+    desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, DQ, DK, DV,
+    tiles, n_tiles, q_offsets, out_offsets, kv_offsets,
+    sq_h, sdo_h, sk_h, sv_h, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, q_rows, out_rows, kv_rows,
+    scale_log2, sm_scale, window, n_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_BUFFERS: tl.constexpr,
+    V_BUFFERS: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+    DQ_PARTIAL: tl.constexpr,
+):
+    """Persistent warp-specialised short-query backward over the tiles of `tiles` (int32 [n_entries, 2]:
+    sequence, 0; heads adjacent): dq (fp32 partial at the output rows when DQ_PARTIAL), dk and dv."""
+    DT: tl.constexpr = tlx.dtype_of(desc_q)
+    q_tile = tlx.local_alloc((BLOCK_M, HEAD_DIM), DT, 1)
+    do_tile = tlx.local_alloc((BLOCK_M, HEAD_DIM), DT, 1)
+    m_tile = tlx.local_alloc((2 * BLOCK_M,), tl.float32, 1)  # the rows at offset < STAT_ALIGN
+    l_tile = tlx.local_alloc((2 * BLOCK_M,), tl.float32, 1)
+    delta_tile = tlx.local_alloc((2 * BLOCK_M,), tl.float32, 1)
+    k_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), DT, K_BUFFERS)
+    v_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), DT, V_BUFFERS)
+    ds_tiles = tlx.local_alloc((BLOCK_N, BLOCK_M), DT, 2)  # consumer c's dSᵀ of the current pair in slot c
+    q_full = tlx.alloc_barriers(num_barriers=1, arrive_count=1)
+    q_empty = tlx.alloc_barriers(num_barriers=1, arrive_count=2)
+    k_full = tlx.alloc_barriers(num_barriers=K_BUFFERS, arrive_count=1)
+    k_empty = tlx.alloc_barriers(num_barriers=K_BUFFERS, arrive_count=2)
+    v_full = tlx.alloc_barriers(num_barriers=V_BUFFERS, arrive_count=1)
+    v_empty = tlx.alloc_barriers(num_barriers=V_BUFFERS, arrive_count=1)
+    ds_free = tlx.alloc_barriers(num_barriers=2, arrive_count=1)
+    with tlx.async_tasks():
+        with tlx.async_task("default"):
+            _load_short(desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, q_tile, do_tile, k_tiles,
+                        v_tiles, m_tile, l_tile, delta_tile, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+                        tiles, n_tiles, q_offsets, out_offsets, kv_offsets, sq_h, sdo_h, sk_h, sv_h, stat_h, q_rows,
+                        out_rows, kv_rows, window, n_heads, HEAD_DIM, BLOCK_M, BLOCK_N, K_BUFFERS, V_BUFFERS,
+                        HAS_WINDOW, CAUSAL)
+        with tlx.async_task(num_warps=4, registers=CONSUMER_REGISTERS, replicate=2):
+            _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, q_full, q_empty, k_full,
+                         k_empty, v_full, v_empty, ds_tiles, ds_free, DQ, DK, DV, tiles, n_tiles, q_offsets,
+                         out_offsets, kv_offsets, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, scale_log2,
+                         sm_scale, window, n_heads, tlx.async_task_replica_id(), HEAD_DIM, BLOCK_M, BLOCK_N,
+                         K_BUFFERS, V_BUFFERS, NEG_SCALE, HAS_WINDOW, CAUSAL, DQ_PARTIAL)

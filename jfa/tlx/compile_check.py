@@ -1,9 +1,9 @@
 """Compile-only check of the TLX kernels (no GPU): `python -m jfa.tlx.compile_check [--quick]`.
 
 Needs fbtriton (Triton with TLX; it ships ptxas). Compiles every configuration (head dims × dtypes × mask
-kinds) of each TLX kernel of `jfa.tlx.backend` (the forward of `KERNELS`, the dQ and dK/dV passes of
-`BWD_KERNELS`) for each architecture with triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32)),
-then runs ptxas -v on the PTX and prints per configuration: the launch register count, the per-warpgroup
+kinds) of each TLX kernel of `jfa.tlx.backend` (the forward of `KERNELS`, the dQ, dK/dV and short-query
+passes of `BWD_KERNELS`) for each architecture with triton.compile(ASTSource(...), target=GPUTarget("cuda", arch,
+32)), then runs ptxas -v on the PTX and prints per configuration: the launch register count, the per-warpgroup
 budgets set by setmaxnreg (producer / consumers), spill bytes and shared memory (which must fit the 227 KiB a
 Hopper CTA can have). Exits 1 on any failure.
 """
@@ -86,6 +86,22 @@ def dq_kernel(dtype: str, d: int, causal: bool, window: bool, neg: bool):
     return "dq_ws_kernel", constexprs, types, f"q_buf={DQ_Q_BUFFERS} kv_buf={DQ_KV_BUFFERS}"
 
 
+def short_kernel(dtype: str, d: int, causal: bool, window: bool, neg: bool, dq_partial: bool = True):
+    """(kernel name, constexprs, signature arguments, label) of a `short_ws_kernel` configuration."""
+    from jfa.tlx.backend import SHORT_BLOCK_M, SHORT_BLOCK_N, SHORT_K_BUFFERS, SHORT_V_BUFFERS
+
+    constexprs = dict(HEAD_DIM=d, BLOCK_M=SHORT_BLOCK_M, BLOCK_N=SHORT_BLOCK_N, K_BUFFERS=SHORT_K_BUFFERS,
+                      V_BUFFERS=SHORT_V_BUFFERS, NEG_SCALE=neg, HAS_WINDOW=window, CAUSAL=causal, DQ_PARTIAL=dq_partial)
+    descriptors = {"desc_q": f"{dtype}[{SHORT_BLOCK_M},{d}]", "desc_do": f"{dtype}[{SHORT_BLOCK_M},{d}]",
+                   "desc_k": f"{dtype}[{SHORT_BLOCK_N},{d}]", "desc_v": f"{dtype}[{SHORT_BLOCK_N},{d}]",
+                   **{name: f"fp32[{2 * SHORT_BLOCK_M}]" for name in ("desc_m", "desc_l", "desc_delta")}}
+    pointers = {"DQ": "fp32" if dq_partial else dtype, "DK": dtype, "DV": dtype, **_INDEX_POINTERS}
+    types = (descriptors, pointers, ("scale_log2", "sm_scale"),
+             ("sq_h", "sdo_h", "sk_h", "sv_h", "sdq_t", "sdq_h", "sdk_t", "sdk_h", "sdv_t", "sdv_h"))
+    label = f"k_buf={SHORT_K_BUFFERS} v_buf={SHORT_V_BUFFERS}" + (" partial" if dq_partial else "")
+    return "short_ws_kernel", constexprs, types, label
+
+
 _INDEX_POINTERS = {name: "i32" for name in ("tiles", "q_offsets", "out_offsets", "kv_offsets")}
 
 
@@ -123,7 +139,8 @@ def compile_all(quick: bool = False) -> bool:
         print(f"sm_{arch}: {KERNELS[arch]}, {BWD_KERNELS[arch]}; triton {triton.__version__}, {ptxas}")
         for module, kernel_config in ((KERNELS[arch], forward_kernel), (BWD_KERNELS[arch], backward_kernel),
                                       (BWD_KERNELS[arch], functools.partial(backward_kernel, dq_reduce=True)),
-                                      (BWD_KERNELS[arch], dq_kernel)):
+                                      (BWD_KERNELS[arch], dq_kernel), (BWD_KERNELS[arch], short_kernel),
+                                      (BWD_KERNELS[arch], functools.partial(short_kernel, dq_partial=False))):
             for d, dtype, causal, window, neg in variants(quick):
                 name, constexprs, types, config = kernel_config(dtype, d, causal, window, neg)
                 fn = getattr(importlib.import_module(module), name)

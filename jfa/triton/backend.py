@@ -361,7 +361,7 @@ def forward(q, k, v, problem: Problem, fwd_pass=None):
 
 
 def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None, dq_pass=None,
-             dq_in_dkv: bool = False):
+             dq_in_dkv: bool = False, short_pass=None):
     """dq, dk, dv. `dkv_pass`, if given, runs the dK/dV pass of the ordinary sequences in place of
     `_dkv_kernel` (the tlx backend's kernel does): dkv_pass(q, k, v, dout, dk, dv, row_max, row_sum, delta,
     table, problem), called after the dQ pass has stored D, with `table` the dK/dV tile table this pass would
@@ -373,7 +373,11 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
     a zeroed fp32 dq at the output rows (the broadcast_q partial layout, whichever the batch), given to it
     as `dq=`; `_delta_kernel` computes D first and no dQ pass runs; the packed and short-query kernels write
     their fp32 rows there too, and `_dq_reduce_kernel` rounds (and for broadcast_q adds) them into dq. Without
-    ordinary sequences (no dK/dV tiles) it does not apply: the packed kernels' usual dq is cheaper."""
+    ordinary sequences (no dK/dV tiles) it does not apply: the packed kernels' usual dq is cheaper.
+
+    `short_pass` likewise replaces `_bwd_short_kernel`: short_pass(q, k, v, dout, dq, dk, dv, row_max, row_sum,
+    delta, table, problem, partial) over the short-query tile table `table` (device int32), `dq` the fp32
+    partial target when `partial`, else dq itself; it reads D, which `_delta_kernel` computes first."""
     row_max, row_sum = residuals
     device = q.device
     dq = torch.empty(q.shape, dtype=q.dtype, device=device)
@@ -410,7 +414,12 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
                 sdv_t=dv.stride(0), sdv_h=dv.stride(1), n_heads=hq, BLOCK=packed.block,
                 SLOTS=packed.block // ts.PACK_ALIGN, DQ_PARTIAL=partial, **args)
     table = sched.host.short_bwd
-    if table.n_tiles:
+    delta_ready = False
+    if table.n_tiles and short_pass is not None:
+        _delta(out, dout, delta, problem)
+        delta_ready = True
+        short_pass(q, k, v, dout, dq_target, dk, dv, row_max, row_sum, delta, sched.short_bwd, problem, partial)
+    elif table.n_tiles:
         n = table.n_tiles
         _launch(bwd_kernels._bwd_short_kernel, config.short_bwd, _programs(n, config.short_bwd, schedule, device),
                 problem, Out=out, DQ=dq_target, DK=dk, DV=dv, tiles=sched.short_bwd, n_tiles=n,
@@ -420,10 +429,8 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
                 DQ_PARTIAL=partial, **args)
     table = sched.host.dq
     if dq_in_dkv:
-        block = 64
-        bwd_kernels._delta_kernel[(triton.cdiv(rows, block), hq)](
-            out, dout, delta, rows, *out.stride(), *dout.stride(), delta.stride(0), HEAD_DIM_V=problem.head_dim_v,
-            BLOCK_DV=padded_dim(problem.head_dim_v), BLOCK=block, num_warps=4)
+        if not delta_ready:
+            _delta(out, dout, delta, problem)
     elif table.n_tiles and dq_pass is not None and not partial:
         dq_pass(q, k, v, out, dout, dq, row_max, row_sum, delta, table, problem)
     elif table.n_tiles:
@@ -450,6 +457,14 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
                 dq_target, dq, problem.batch if problem.broadcast_q else 1, n_elem, BLOCK=block, UNROLL=8,
                 INTERPRET=interpreting(), num_warps=4)
     return dq, dk, dv
+
+
+def _delta(out, dout, delta, problem: Problem) -> None:
+    """D = rowsum(dO∘O) of every output row into `delta` ([Hq, rows] fp32), for passes that read it."""
+    rows, block = problem.out_rows, 64
+    bwd_kernels._delta_kernel[(triton.cdiv(rows, block), problem.q_heads)](
+        out, dout, delta, rows, *out.stride(), *dout.stride(), delta.stride(0), HEAD_DIM_V=problem.head_dim_v,
+        BLOCK_DV=padded_dim(problem.head_dim_v), BLOCK=block, num_warps=4)
 
 
 def interpreted_consistently() -> bool:
@@ -523,9 +538,9 @@ class TritonBackend:
             return forward(q, k, v, problem, fwd_pass)
 
     def backward(self, dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None, dq_pass=None,
-                 dq_in_dkv: bool = False):
+                 dq_in_dkv: bool = False, short_pass=None):
         with _on_device(q.device):
-            return backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass, dq_pass, dq_in_dkv)
+            return backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass, dq_pass, dq_in_dkv, short_pass)
 
 
 BACKEND = TritonBackend()

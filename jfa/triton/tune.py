@@ -59,7 +59,7 @@ KERNELS = {"fwd": "_fwd_kernel", "dq": "_dq_kernel", "dkv": "_dkv_kernel", "shor
            "packed_fwd": "_fwd_packed_kernel", "packed_bwd": "_bwd_packed_kernel"}
 # The TLX kernels (jfa.tlx.forward, jfa.tlx.backward; their modules import only under fbtriton), which
 # scripts/ab_probe.py's `tlx` rows time.
-TLX_KERNELS = ("fwd_ws_kernel", "dq_ws_kernel", "dkv_ws_kernel")
+TLX_KERNELS = ("fwd_ws_kernel", "dq_ws_kernel", "dkv_ws_kernel", "short_ws_kernel")
 # _delta_kernel: D of every row, ahead of the tlx backward's one pass (`dq_in_dkv`).
 JFA_KERNELS = (*KERNELS.values(), "_delta_kernel", "_dq_reduce_kernel", *TLX_KERNELS)
 # What a role's time sums: its kernel and, for a packed or short-query role, the ordinary kernels of its pass,
