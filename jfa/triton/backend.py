@@ -414,10 +414,10 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
                 sdv_t=dv.stride(0), sdv_h=dv.stride(1), n_heads=hq, BLOCK=packed.block,
                 SLOTS=packed.block // ts.PACK_ALIGN, DQ_PARTIAL=partial, **args)
     table = sched.host.short_bwd
-    delta_ready = False
-    if table.n_tiles and short_pass is not None:
+    short_pass = short_pass if table.n_tiles else None
+    if dq_in_dkv or short_pass is not None:  # passes that read D and compute none
         _delta(out, dout, delta, problem)
-        delta_ready = True
+    if short_pass is not None:
         short_pass(q, k, v, dout, dq_target, dk, dv, row_max, row_sum, delta, sched.short_bwd, problem, partial)
     elif table.n_tiles:
         n = table.n_tiles
@@ -428,17 +428,15 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
                 sdv_h=dv.stride(1), n_heads=hq, BLOCK_M=config.short_bwd.block_m, BLOCK_N=config.short_bwd.block_n,
                 DQ_PARTIAL=partial, **args)
     table = sched.host.dq
-    if dq_in_dkv:
-        if not delta_ready:
-            _delta(out, dout, delta, problem)
-    elif table.n_tiles and dq_pass is not None and not partial:
-        dq_pass(q, k, v, out, dout, dq, row_max, row_sum, delta, table, problem)
-    elif table.n_tiles:
-        n = table.n_tiles
-        _launch(bwd_kernels._dq_kernel, config.dq, _programs(n, config.dq, schedule, device),
-                problem, Out=out, DQ=dq_target, Delta=delta, tiles=sched.dq, n_tiles=n, counter=_counter(device),
-                so_t=out.stride(0), so_h=out.stride(1), sdq_t=dq_target.stride(0), sdq_h=dq_target.stride(1),
-                n_heads=hq, BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n, DQ_PARTIAL=partial, **args)
+    if table.n_tiles and not dq_in_dkv:  # with dq_in_dkv the dK/dV pass adds dq
+        if dq_pass is not None and not partial:
+            dq_pass(q, k, v, out, dout, dq, row_max, row_sum, delta, table, problem)
+        else:
+            n = table.n_tiles
+            _launch(bwd_kernels._dq_kernel, config.dq, _programs(n, config.dq, schedule, device),
+                    problem, Out=out, DQ=dq_target, Delta=delta, tiles=sched.dq, n_tiles=n, counter=_counter(device),
+                    so_t=out.stride(0), so_h=out.stride(1), sdq_t=dq_target.stride(0), sdq_h=dq_target.stride(1),
+                    n_heads=hq, BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n, DQ_PARTIAL=partial, **args)
     table = sched.host.dkv
     if table.n_tiles and dkv_pass is not None:
         dkv_pass(q, k, v, dout, dk, dv, row_max, row_sum, delta, table, problem,
