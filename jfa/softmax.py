@@ -76,9 +76,13 @@ def block_softmax(r, scale_log2):
 
 @triton.jit
 def finalize(acc, m_i, l_i, scale_abs):
-    """Normalised output and natural-log lse; rows with no visible key get out = 0 and lse = -inf."""
+    """Normalised output and natural-log lse; rows with no visible key get out = 0 and lse = -inf.
+
+    One reciprocal per row, then a multiply per element: on the GPU `acc / l` compiles to div.full.f32, a
+    reciprocal and a multiply per element, so this gives the same bits (checked on jfa.bench's rows, both
+    backends, on the H200) with one MUFU reciprocal per row instead of one per element."""
     has = l_i > 0
-    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    out = tl.where(has[:, None], acc * (1.0 / tl.where(has, l_i, 1.0))[:, None], 0.0)
     lse = tl.where(has, m_i * scale_abs + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     return out, lse
 
