@@ -16,10 +16,15 @@ class _KernelAttention(torch.autograd.Function):
         ctx.backend, ctx.problem = backend, problem
         ctx.save_for_backward(q, k, v, out, lse, *residuals)
         ctx.mark_non_differentiable(lse)
+        # lse takes no gradient: without this autograd would allocate and zero-fill one ([Hq, rows] fp32) for
+        # every backward; and a backward reached without a gradient of out has nothing to compute.
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:
+            return None, None, None, None, None
         q, k, v, out, lse, *residuals = ctx.saved_tensors
         dq, dk, dv = ctx.backend.backward(dout, q, k, v, out, lse, tuple(residuals), ctx.problem)
         return dq, dk, dv, None, None
