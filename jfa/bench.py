@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import subprocess
 import sys
+import threading
 
 import numpy as np
 
@@ -218,6 +220,42 @@ def _median_ms(fn, repeats: int) -> float:
     return float(np.median([triton.testing.do_bench(fn, warmup=25, rep=100) for _ in range(repeats)]))
 
 
+class SmClock:
+    """The GPU's mean SM clock (MHz) over a `with` block, read by NVML every 5 ms from a thread (`mhz` is None
+    without pynvml; NVML counts GPUs without CUDA_VISIBLE_DEVICES). Under sustained load the H200 lowers its
+    clock: the TLX forward on the long row took 1.70 ms per call in a burst of five at 1980 MHz and 1.80 ms
+    over the last calls of one do_bench, and the do_bench after it ran at 1851 MHz on average, 1785 at least
+    (2026-12-01). A time means little without the clock it ran at."""
+
+    def __init__(self, device_index: int = 0):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._read = functools.partial(pynvml.nvmlDeviceGetClockInfo,
+                                           pynvml.nvmlDeviceGetHandleByIndex(device_index), pynvml.NVML_CLOCK_SM)
+        except Exception:  # noqa: BLE001 - no NVML (pynvml missing, no driver): no clock
+            self._read = None
+        self.mhz = None
+
+    def __enter__(self):
+        self._samples, self._done = [], threading.Event()
+        if self._read is not None:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._done.wait(0.005):
+            self._samples.append(self._read())
+
+    def __exit__(self, *exc):
+        self._done.set()
+        if self._read is not None:
+            self._thread.join()
+        self.mhz = float(np.mean(self._samples)) if self._samples else None
+
+
 def idle_time(intervals) -> float:
     """Within the span from the first interval's start to the last one's end, the time no interval covers
     (intervals may overlap: copies beside kernels)."""
@@ -232,18 +270,25 @@ def idle_time(intervals) -> float:
 def _device_profile(fn, calls: int = 5) -> tuple[float, float]:
     """(device ms, idle ms) of one call over `calls` back-to-back calls, from the profiler's GPU timeline: the
     kernels' and copies' time, and the time between the first one's start and the last one's end in which the
-    GPU ran nothing (what it waited for the host: its launches, and the offsets check each call syncs on)."""
+    GPU ran nothing (what it waited for the host: its launches, and the offsets check each call syncs on).
+    One call before them runs under the profiler's warm-up step, untimed: the tracer's start-up, which left the
+    GPU idle 0.6-0.9 ms before the first recorded call (H200, 2026-12-01), stays out of the idle time."""
     import torch
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, schedule
 
+    events = []  # the active steps' events (the profiler clears them when its cycle ends)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
+    with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=0, warmup=1, active=calls),
+                 on_trace_ready=lambda prof: events.extend(prof.events())) as prof:
+        for step in range(calls + 1):
             fn()
-        torch.cuda.synchronize()
-    device = sum(event.device_time_total for event in prof.key_averages()) / calls * 1e-3
-    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+            if step == calls:
+                torch.cuda.synchronize()
+            prof.step()
+    device_events = [e for e in events if e.device_type == DeviceType.CUDA]
+    device = sum(e.device_time_total for e in device_events) / calls * 1e-3
+    spans = [(e.time_range.start, e.time_range.end) for e in device_events]
     return device, idle_time(spans) / calls * 1e-3
 
 
@@ -274,7 +319,9 @@ def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: in
         torch.cuda.synchronize()
         record[f"{key}_extra_bytes"] = max(0, torch.cuda.max_memory_allocated() - base - out_bytes)
         del result
-        record[f"{key}_ms"] = _median_ms(fn, repeats)
+        with SmClock(torch.cuda.current_device()) as clock:
+            record[f"{key}_ms"] = _median_ms(fn, repeats)
+        record[f"{key}_sm_mhz"] = clock.mhz
         record[f"{key}_device_ms"], record[f"{key}_idle_ms"] = _device_profile(fn)
 
 
@@ -289,7 +336,7 @@ def _print_record(r):
 def print_table(results) -> None:
     head = (f"{'row':9s} {'backend':13s} {'fwd ms':>8s} {'TF/s':>6s} {'xFA2':>5s} {'bwd ms':>8s} {'TF/s':>6s} "
             f"{'xFA2':>5s} {'fwd GB/s':>8s} {'bwd GB/s':>8s} {'copy% f/b':>9s} {'extra MiB f/fb':>15s} "
-            f"{'fwd dev ms':>10s} {'idle':>6s}")
+            f"{'fwd dev ms':>10s} {'idle':>6s} {'MHz f/fb':>9s}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -302,9 +349,12 @@ def print_table(results) -> None:
 
         extra = f"{r['fwd_extra_bytes'] / 2**20:.0f}/{r['fwdbwd_extra_bytes'] / 2**20:.0f}"
         copy = f"{100 * r['fwd_copy_share']:.0f}/{100 * r['bwd_copy_share']:.0f}"
+        clocks = "/".join("-" if r.get(f"{key}_sm_mhz") is None else f"{r[f'{key}_sm_mhz']:.0f}"
+                          for key in ("fwd", "fwdbwd"))
         print(f"{r['row']:9s} {r['backend']:13s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:6.1f} {ratio('fwd_vs_varlen')} "
               f"{r['bwd_ms']:8.3f} {r['bwd_tflops']:6.1f} {ratio('bwd_vs_varlen')} {r['fwd_gbps']:8.0f} "
-              f"{r['bwd_gbps']:8.0f} {copy:>9s} {extra:>15s} {r['fwd_device_ms']:10.3f} {r['fwd_idle_ms']:6.3f}")
+              f"{r['bwd_gbps']:8.0f} {copy:>9s} {extra:>15s} {r['fwd_device_ms']:10.3f} {r['fwd_idle_ms']:6.3f} "
+              f"{clocks:>9s}")
 
 
 def print_rooflines(results, copy_gbps: float) -> None:

@@ -8,11 +8,11 @@ from jfa import bench
 
 
 def test_derived_figures_and_table(capsys):
-    """Backward is the difference of the two timings; rates follow from them; the forward's device time
-    reaches the table."""
+    """Backward is the difference of the two timings; rates follow from them; the forward's device time and
+    the SM clocks (one not read) reach the table."""
     record = {"row": "gem", "backend": "triton", "fwd_flops": 4e12, "bwd_flops": 1e13, "fwd_ms": 2.0,
               "fwdbwd_ms": 7.0, "fwd_device_ms": 1.625, "fwd_idle_ms": 0.25, "fwd_extra_bytes": 2**20,
-              "fwdbwd_extra_bytes": 3 * 2**20}
+              "fwdbwd_extra_bytes": 3 * 2**20, "fwd_sm_mhz": 1851.4, "fwdbwd_sm_mhz": None}
     bench.derive(record, fwd_bytes=4e9, bwd_bytes=1e10, copy_gbps=4000.0)
     assert record["bwd_ms"] == 5.0
     assert math.isclose(record["fwd_tflops"], 2000.0) and math.isclose(record["bwd_tflops"], 2000.0)
@@ -23,7 +23,7 @@ def test_derived_figures_and_table(capsys):
     bench.print_table([record])
     line = capsys.readouterr().out.splitlines()[-1].split()
     assert line[:2] == ["gem", "triton"] and line[2] == "2.000" and line[5] == "5.000"
-    assert line[-2:] == ["1.625", "0.250"] and line[-4] == "50/50"
+    assert line[-3:] == ["1.625", "0.250", "1851/-"] and line[-5] == "50/50"
 
 
 def test_idle_time_is_the_uncovered_part_of_the_span():
@@ -42,3 +42,36 @@ def test_rooflines_name_the_best_ratio_a_kernel_could_reach(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("memory roofline at the device copy rate, 4300 GB/s") and len(out) == 2
     assert "fwd >= 0.500 ms (at most 6.00x FA2), bwd >= 1.250 ms (at most 8.80x FA2)" in out[1]
+
+
+def test_sm_clock_without_nvml_is_none(monkeypatch):
+    """No NVML (pynvml missing): the block runs and the clock is None, not a number."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_pynvml(name, *args, **kwargs):
+        if name == "pynvml":
+            raise ImportError("no pynvml")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pynvml)
+    with bench.SmClock() as clock:
+        pass
+    assert clock.mhz is None
+
+
+def test_sm_clock_is_the_mean_of_nvml_samples(monkeypatch):
+    """Samples read while the block runs are averaged (a fake NVML alternating 1500 and 1700 MHz)."""
+    import itertools
+    import sys
+    import time
+    import types
+
+    readings = itertools.cycle([1500, 1700])
+    fake = types.SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda index: index,
+                                 NVML_CLOCK_SM=0, nvmlDeviceGetClockInfo=lambda handle, kind: next(readings))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    with bench.SmClock() as clock:
+        time.sleep(0.1)
+    assert clock.mhz is not None and 1500 <= clock.mhz <= 1700 and len(clock._samples) >= 2
