@@ -267,29 +267,42 @@ def idle_time(intervals) -> float:
     return idle
 
 
+def steady_calls(spans, calls: int) -> tuple[list, int]:
+    """The device events (start, end) of `calls` + 1 recorded back-to-back calls less the first call's, and how
+    many calls they are: the first began on an idle GPU, so its host work before the launch would count as
+    idle time. Calls are told apart by count, each making the same number of events (the same path every time);
+    if the count does not divide evenly, every event and every call."""
+    spans = sorted(spans)
+    per_call, rest = divmod(len(spans), calls + 1)
+    if per_call == 0 or rest:
+        return spans, calls + 1
+    return spans[per_call:], calls
+
+
 def _device_profile(fn, calls: int = 5) -> tuple[float, float]:
     """(device ms, idle ms) of one call over `calls` back-to-back calls, from the profiler's GPU timeline: the
     kernels' and copies' time, and the time between the first one's start and the last one's end in which the
     GPU ran nothing (what it waited for the host: its launches, and the offsets check each call syncs on).
-    One call before them runs under the profiler's warm-up step, untimed: the tracer's start-up, which left the
-    GPU idle 0.6-0.9 ms before the first recorded call (H200, 2026-12-01), stays out of the idle time."""
+    A first call runs under the profiler's warm-up step, untimed, and finishes before the recorded ones: the
+    tracer's start-up left the GPU idle 0.6-0.9 ms in the first call it records (H200, 2026-12-01). The first
+    recorded call then starts on an idle GPU, and `steady_calls` leaves it out."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    events = []  # the active steps' events (the profiler clears them when its cycle ends)
+    events = []  # the recorded steps' events (the profiler clears them when its cycle ends)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=0, warmup=1, active=calls),
+    with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=0, warmup=1, active=calls + 1),
                  on_trace_ready=lambda prof: events.extend(prof.events())) as prof:
-        for step in range(calls + 1):
+        for step in range(calls + 2):
             fn()
-            if step == calls:
+            if step in (0, calls + 1):  # the warm-up call's work stays out; the last call's is all recorded
                 torch.cuda.synchronize()
             prof.step()
-    device_events = [e for e in events if e.device_type == DeviceType.CUDA]
-    device = sum(e.device_time_total for e in device_events) / calls * 1e-3
-    spans = [(e.time_range.start, e.time_range.end) for e in device_events]
-    return device, idle_time(spans) / calls * 1e-3
+    spans, counted = steady_calls([(e.time_range.start, e.time_range.end) for e in events
+                                   if e.device_type == DeviceType.CUDA], calls)
+    device = sum(end - start for start, end in spans) / counted * 1e-3
+    return device, idle_time(spans) / counted * 1e-3
 
 
 def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: int) -> None:

@@ -75,3 +75,11 @@ def test_sm_clock_is_the_mean_of_nvml_samples(monkeypatch):
     with bench.SmClock() as clock:
         time.sleep(0.1)
     assert clock.mhz is not None and 1500 <= clock.mhz <= 1700 and len(clock._samples) >= 2
+
+
+def test_steady_calls_leave_out_the_first_recorded_call():
+    """Three recorded calls of two events each: the first call's two go; an uneven count keeps everything."""
+    spans = [(0, 1), (5, 9), (10, 11), (12, 16), (17, 18), (19, 23)]
+    assert bench.steady_calls(spans[::-1], calls=2) == (spans[2:], 2)
+    assert bench.steady_calls(spans[:5], calls=2) == (spans[:5], 3)
+    assert bench.steady_calls([], calls=2) == ([], 3)
