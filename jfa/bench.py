@@ -17,11 +17,11 @@ once: q, k, v, out, lse forward; q, k, v, out, dout, lse read and dq, dk, dv wri
 rate as a share of the device's copy rate (a 1 GiB device-to-device copy timed at the start of the run),
 per row the memory roofline (the traffic's time at the copy rate, and the ratio to torch-varlen of a kernel
 that took no longer: beyond it only by moving bytes faster than a copy does), peak extra memory
-(torch.cuda.max_memory_allocated minus inputs and outputs), and the forward's device time (its
-kernels and copies, torch.profiler over five calls): the forward's time minus it is what the GPU waited for
-the host (the op's one wait for the offsets, then its host work until the launch), within the spread of
-kernel times between two measurements (a few % on the long rows). A profiled loop would add the profiler's
-own cost per launch to that difference.
+(torch.cuda.max_memory_allocated minus inputs and outputs), the forward's device time (its kernels and
+copies, torch.profiler over five back-to-back calls after a warm-up call and a first recorded one, left out)
+and the GPU's idle time per call among them (what it waited for the host: the op's one wait for the offsets,
+then its host work until the launch), and the mean SM clock of each timing (NVML): under sustained load the
+H200 lowers its clock, more for a kernel that keeps the tensor cores busier, so a time is read beside its clock.
 --json writes everything with the environment (GPU, driver, CUDA, torch, triton versions, date).
 """
 
@@ -407,7 +407,8 @@ def main(argv=None) -> int:
     print("TFLOP/s count visible pairs only: forward 4·pairs·D per head, backward 2.5x that; "
           "backward time = (fwd+bwd) - fwd; xFA2 = torch-varlen time / this time; fwd dev ms = the forward's "
           "kernels and copies (profiler); idle = the GPU's idle time per call between them over back-to-back "
-          "calls (profiler timeline: what it waited for the host).", flush=True)
+          "calls (profiler timeline: what it waited for the host); MHz f/fb = the mean SM clock during the "
+          "forward and the forward+backward timings (NVML; '-' without pynvml).", flush=True)
     copy_gbps = copy_rate_gbps()
     results = []
     for row in args.rows:
