@@ -221,20 +221,20 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 class SmClock:
-    """The GPU's mean SM clock (MHz) over a `with` block, read by NVML every 5 ms from a thread (`mhz` is None
-    without pynvml; NVML counts GPUs without CUDA_VISIBLE_DEVICES). Under sustained load the H200 lowers its
-    clock: the TLX forward on the long row took 1.70 ms per call in a burst of five at 1980 MHz and 1.80 ms
-    over the last calls of one do_bench, and the do_bench after it ran at 1851 MHz on average, 1785 at least
-    (2026-12-01). A time means little without the clock it ran at."""
+    """The GPU's mean SM clock (MHz) over a `with` block, read every 5 ms from a thread by
+    `torch.cuda.clock_rate` (NVML, with torch's mapping of CUDA_VISIBLE_DEVICES; `mhz` is None where it cannot
+    be read: no pynvml, no driver). Under sustained load the H200 lowers its clock: the TLX forward on the long
+    row took 1.70 ms per call in a burst of five at 1980 MHz and 1.80 ms over the last calls of one do_bench,
+    and the do_bench after it ran at 1851 MHz on average, 1785 at least (2026-12-01). A time means little
+    without the clock it ran at."""
 
-    def __init__(self, device_index: int = 0):
+    def __init__(self, device=None):
+        import torch
+
+        self._read = functools.partial(torch.cuda.clock_rate, device)
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._read = functools.partial(pynvml.nvmlDeviceGetClockInfo,
-                                           pynvml.nvmlDeviceGetHandleByIndex(device_index), pynvml.NVML_CLOCK_SM)
-        except Exception:  # noqa: BLE001 - no NVML (pynvml missing, no driver): no clock
+            self._read()
+        except Exception:  # noqa: BLE001 - pynvml missing, no driver: no clock
             self._read = None
         self.mhz = None
 
@@ -332,7 +332,7 @@ def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: in
         torch.cuda.synchronize()
         record[f"{key}_extra_bytes"] = max(0, torch.cuda.max_memory_allocated() - base - out_bytes)
         del result
-        with SmClock(torch.cuda.current_device()) as clock:
+        with SmClock(q.device) as clock:
             record[f"{key}_ms"] = _median_ms(fn, repeats)
         record[f"{key}_sm_mhz"] = clock.mhz
         record[f"{key}_device_ms"], record[f"{key}_idle_ms"] = _device_profile(fn)
