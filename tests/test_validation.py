@@ -30,6 +30,18 @@ class Recorder:
             problem.q_heads, problem.out_rows, dtype=torch.float32)
 
 
+@pytest.fixture(autouse=True)
+def fresh_offsets_cache(monkeypatch):
+    """Each test starts without remembered offsets: `jfa.validation` keeps the last validated offsets of each
+    size for the whole process, so a test that asserts which values a call first saw would otherwise depend on
+    the tests that ran before it in the same worker (under xdist, on how the tests were distributed)."""
+    from collections import OrderedDict
+
+    from jfa import validation
+
+    monkeypatch.setattr(validation, "_VALID", OrderedDict())
+
+
 @pytest.fixture
 def recorder():
     backend = Recorder()
