@@ -150,18 +150,50 @@ def _load_tiles(desc_q, desc_do, desc_k, desc_v, q_tiles, do_tiles, k_tiles, v_t
 
 
 @triton.jit
-def _qk_in_turn(q_tile, k_tile, cid: tl.constexpr):
-    """S = Q·Kᵀ issued when it is this consumer's turn; hands the turn to the other consumer."""
+def _wait_turn(cid: tl.constexpr):
     if cid == 0:
         tlx.named_barrier_wait(QK_TURN_0, CONSUMER_THREADS)
     else:
         tlx.named_barrier_wait(QK_TURN_1, CONSUMER_THREADS)
-    qk = tlx.async_dot(q_tile, tlx.local_trans(k_tile))
+
+
+@triton.jit
+def _hand_turn(cid: tl.constexpr):
     if cid == 0:
         tlx.named_barrier_arrive(QK_TURN_1, CONSUMER_THREADS)
     else:
         tlx.named_barrier_arrive(QK_TURN_0, CONSUMER_THREADS)
+
+
+@triton.jit
+def _qk_in_turn(q_tile, k_tile, cid: tl.constexpr):
+    """S = Q·Kᵀ issued when it is this consumer's turn; hands the turn to the other consumer."""
+    _wait_turn(cid)
+    qk = tlx.async_dot(q_tile, tlx.local_trans(k_tile))
+    _hand_turn(cid)
     return qk
+
+
+@triton.jit
+def _pass_tile(q_full, q_empty, k_full, k_empty, v_full, v_empty, q_slot, q_phase, lo, hi, kv_count,
+               cid: tl.constexpr, BLOCK_N: tl.constexpr, KV_BUFFERS: tl.constexpr):
+    """A consumer whose rows all lie past the sequence (the second half of a sequence's last tile when it has
+    at most 64 rows) computes nothing: it only keeps its barrier phases and the QK turns in step with the
+    producer and the other consumer, which then has the tensor cores to itself. It waits for each slot to be
+    full before releasing it, so that its arrivals never count towards a later phase of the slot."""
+    tlx.barrier_wait(q_full[q_slot], q_phase)
+    for _n in range(lo, hi, BLOCK_N):
+        slot = kv_count % KV_BUFFERS
+        phase = (kv_count // KV_BUFFERS) & 1
+        tlx.barrier_wait(k_full[slot], phase)
+        _wait_turn(cid)
+        _hand_turn(cid)
+        tlx.barrier_arrive(k_empty[slot], 1)
+        tlx.barrier_wait(v_full[slot], phase)
+        tlx.barrier_arrive(v_empty[slot], 1)
+        kv_count += 1
+    tlx.barrier_arrive(q_empty[q_slot], 1)
+    return kv_count
 
 
 @triton.jit
@@ -194,51 +226,56 @@ def _attend_tiles(q_tiles, k_tiles, v_tiles, q_full, q_empty, k_full, k_empty, v
         head, m0, q_start, out_start, q_len, kv_start, kv_len, lo, full_lo, full_hi, hi = _tile(
             tiles, _tile_round(r, pid, nprog), n_heads, q_offsets, out_offsets, kv_offsets, window,
             BLOCK_M, BLOCK_N, HAS_WINDOW, CAUSAL)
-        rows = m0 + cid * HALF + tl.arange(0, HALF)
-        m_i = tl.full([HALF], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([HALF], dtype=tl.float32)
-        acc = tl.zeros([HALF, HEAD_DIM], dtype=tl.float32)
         q_slot = (r % Q_BUFFERS) * 2 + cid
-        q_tile = q_tiles[q_slot]
-        tlx.barrier_wait(q_full[q_slot], (r // Q_BUFFERS) & 1)
-        # Block lo: S only (nothing to accumulate yet).
-        slot = kv_count % KV_BUFFERS
-        tlx.barrier_wait(k_full[slot], (kv_count // KV_BUFFERS) & 1)
-        qk = tlx.async_dot_wait(0, _qk_in_turn(q_tile, k_tiles[slot], cid))
-        tlx.barrier_arrive(k_empty[slot], 1)
-        p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, lo, rows, full_lo, full_hi, q_len, kv_len, window,
-                                            scale_log2, BLOCK_N, NEG_SCALE, HAS_WINDOW, CAUSAL)
-        kv_count += 1
-        for n in range(lo + BLOCK_N, hi, BLOCK_N):
+        q_phase = (r // Q_BUFFERS) & 1
+        if m0 + cid * HALF >= q_len:  # no row of this half exists: nothing to compute or store
+            kv_count = _pass_tile(q_full, q_empty, k_full, k_empty, v_full, v_empty, q_slot, q_phase, lo, hi,
+                                  kv_count, cid, BLOCK_N, KV_BUFFERS)
+        else:
+            rows = m0 + cid * HALF + tl.arange(0, HALF)
+            m_i = tl.full([HALF], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([HALF], dtype=tl.float32)
+            acc = tl.zeros([HALF, HEAD_DIM], dtype=tl.float32)
+            q_tile = q_tiles[q_slot]
+            tlx.barrier_wait(q_full[q_slot], q_phase)
+            # Block lo: S only (nothing to accumulate yet).
             slot = kv_count % KV_BUFFERS
-            prev = (kv_count - 1) % KV_BUFFERS
             tlx.barrier_wait(k_full[slot], (kv_count // KV_BUFFERS) & 1)
-            qk = _qk_in_turn(q_tile, k_tiles[slot], cid)
-            # PV of the previous block (its p is relative to the current running max) behind the QK.
-            tlx.barrier_wait(v_full[prev], ((kv_count - 1) // KV_BUFFERS) & 1)
-            acc = tlx.async_dot(p.to(DT), v_tiles[prev], acc)
-            qk = tlx.async_dot_wait(1, qk)  # retires the QK; the PV may still run
+            qk = tlx.async_dot_wait(0, _qk_in_turn(q_tile, k_tiles[slot], cid))
             tlx.barrier_arrive(k_empty[slot], 1)
-            p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, n, rows, full_lo, full_hi, q_len, kv_len, window,
+            p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, lo, rows, full_lo, full_hi, q_len, kv_len, window,
                                                 scale_log2, BLOCK_N, NEG_SCALE, HAS_WINDOW, CAUSAL)
-            acc = tlx.async_dot_wait(0, acc)
-            tlx.barrier_arrive(v_empty[prev], 1)
-            acc = acc * alpha[:, None]
             kv_count += 1
-        prev = (kv_count - 1) % KV_BUFFERS
-        tlx.barrier_wait(v_full[prev], ((kv_count - 1) // KV_BUFFERS) & 1)
-        acc = tlx.async_dot_wait(0, tlx.async_dot(p.to(DT), v_tiles[prev], acc))
-        tlx.barrier_arrive(v_empty[prev], 1)
-        tlx.barrier_arrive(q_empty[q_slot], 1)  # every MMA reading this Q has retired
+            for n in range(lo + BLOCK_N, hi, BLOCK_N):
+                slot = kv_count % KV_BUFFERS
+                prev = (kv_count - 1) % KV_BUFFERS
+                tlx.barrier_wait(k_full[slot], (kv_count // KV_BUFFERS) & 1)
+                qk = _qk_in_turn(q_tile, k_tiles[slot], cid)
+                # PV of the previous block (its p is relative to the current running max) behind the QK.
+                tlx.barrier_wait(v_full[prev], ((kv_count - 1) // KV_BUFFERS) & 1)
+                acc = tlx.async_dot(p.to(DT), v_tiles[prev], acc)
+                qk = tlx.async_dot_wait(1, qk)  # retires the QK; the PV may still run
+                tlx.barrier_arrive(k_empty[slot], 1)
+                p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, n, rows, full_lo, full_hi, q_len, kv_len, window,
+                                                    scale_log2, BLOCK_N, NEG_SCALE, HAS_WINDOW, CAUSAL)
+                acc = tlx.async_dot_wait(0, acc)
+                tlx.barrier_arrive(v_empty[prev], 1)
+                acc = acc * alpha[:, None]
+                kv_count += 1
+            prev = (kv_count - 1) % KV_BUFFERS
+            tlx.barrier_wait(v_full[prev], ((kv_count - 1) // KV_BUFFERS) & 1)
+            acc = tlx.async_dot_wait(0, tlx.async_dot(p.to(DT), v_tiles[prev], acc))
+            tlx.barrier_arrive(v_empty[prev], 1)
+            tlx.barrier_arrive(q_empty[q_slot], 1)  # every MMA reading this Q has retired
 
-        out, lse = finalize(acc, m_i, l_i, scale_abs)
-        row_ok = rows < q_len
-        o_rows = tl.cast(out_start + rows, tl.int64) * so_t + tl.cast(head, tl.int64) * so_h
-        tl.store(Out + o_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], out.to(DT), mask=row_ok[:, None])
-        stat = tl.cast(head, tl.int64) * stat_h + out_start + rows
-        tl.store(Lse + stat, lse, mask=row_ok)
-        tl.store(RowMax + stat, m_i, mask=row_ok)
-        tl.store(RowSum + stat, l_i, mask=row_ok)
+            out, lse = finalize(acc, m_i, l_i, scale_abs)
+            row_ok = rows < q_len
+            o_rows = tl.cast(out_start + rows, tl.int64) * so_t + tl.cast(head, tl.int64) * so_h
+            tl.store(Out + o_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], out.to(DT), mask=row_ok[:, None])
+            stat = tl.cast(head, tl.int64) * stat_h + out_start + rows
+            tl.store(Lse + stat, lse, mask=row_ok)
+            tl.store(RowMax + stat, m_i, mask=row_ok)
+            tl.store(RowSum + stat, l_i, mask=row_ok)
 
 
 @triton.jit
