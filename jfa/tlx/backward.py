@@ -62,7 +62,7 @@ import triton.language.extra.tlx as tlx
 from jfa.block_info import q_block_range
 from jfa.mask import visible
 from jfa.softmax import backward_row_stats, raw_scores, row_delta, shifted_exp2
-from jfa.tlx.forward import CONSUMER_THREADS, _load_tiles, _rounds, _tile, _tile_round, query_ring_barriers
+from jfa.tlx.forward import CONSUMER_THREADS, _load_tiles, _pass_tile, _rounds, _tile, _tile_round, query_ring_barriers
 from jfa.triton.forward import sequence_bounds
 
 # Per consumer thread: the dk and dv accumulators alone take 128 (64 keys × D 128 × 2 in fp32 over 128
@@ -302,42 +302,47 @@ def _dq_tiles(q_tiles, do_tiles, k_tiles, v_tiles, q_full, q_empty, k_full, k_em
         head, m0, q_start, out_start, q_len, kv_start, kv_len, lo, _, _, hi = _tile(
             tiles, _tile_round(r, pid, nprog), n_heads, q_offsets, out_offsets, kv_offsets, window, BLOCK_M,
             BLOCK_N, HAS_WINDOW, CAUSAL)
-        rows = m0 + cid * HALF + tl.arange(0, HALF)
-        row_ok = rows < q_len
-        stat = tl.cast(head, tl.int64) * stat_h + out_start + rows
-        m_b, inv_b = backward_row_stats(tl.load(RowMax + stat, mask=row_ok, other=0.0),
-                                        tl.load(RowSum + stat, mask=row_ok, other=0.0))
-        o_rows = tl.cast(out_start + rows, tl.int64) * so_t + tl.cast(head, tl.int64) * so_h
-        o = tl.load(Out + o_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         q_slot = (r % Q_BUFFERS) * 2 + cid
-        tlx.barrier_wait(q_full[q_slot], (r // Q_BUFFERS) & 1)
-        q_tile = q_tiles[q_slot]
-        do_tile = do_tiles[q_slot]
-        # D = rowsum(dO∘O) from the rounded output, stored for the dK/dV pass (as the Triton dQ pass does).
-        delta = row_delta(tlx.local_load(do_tile), o)
-        tl.store(Delta + stat, delta, mask=row_ok)
-        dq = tl.zeros([HALF, HEAD_DIM], dtype=tl.float32)
-        for n in range(lo, hi, BLOCK_N):
-            slot = kv_count % KV_BUFFERS
-            phase = (kv_count // KV_BUFFERS) & 1
-            tlx.barrier_wait(k_full[slot], phase)
-            tlx.barrier_wait(v_full[slot], phase)
-            s = tlx.async_dot(q_tile, tlx.local_trans(k_tiles[slot]))  # S [HALF, BLOCK_N]
-            dp = tlx.async_dot(do_tile, tlx.local_trans(v_tiles[slot]))  # dP, runs during the exponents
-            s = tlx.async_dot_wait(1, s)
-            keys = n + tl.arange(0, BLOCK_N)
-            seen = visible(rows[:, None], keys[None, :], q_len, kv_len, window, HAS_WINDOW, CAUSAL)
-            s_raw = tl.where(seen & row_ok[:, None], raw_scores(s, NEG_SCALE), float("-inf"))
-            p = shifted_exp2((s_raw - m_b[:, None]) * scale_log2) * inv_b[:, None]
-            dp = tlx.async_dot_wait(0, dp)
-            tlx.barrier_arrive(v_empty[slot], 1)
-            dq = tlx.async_dot((p * (dp - delta[:, None])).to(DT), k_tiles[slot], dq)
-            dq = tlx.async_dot_wait(0, dq)
-            tlx.barrier_arrive(k_empty[slot], 1)
-            kv_count += 1
-        tlx.barrier_arrive(q_empty[q_slot], 1)  # every MMA reading this tile's Q and dO has retired
-        dq_rows = tl.cast(q_start + rows, tl.int64) * sdq_t + tl.cast(head, tl.int64) * sdq_h
-        tl.store(DQ + dq_rows[:, None] + offs_d[None, :], (dq * sm_scale).to(DT), mask=row_ok[:, None])
+        q_phase = (r // Q_BUFFERS) & 1
+        if m0 + cid * HALF >= q_len:  # no row of this half exists (see _pass_tile)
+            kv_count = _pass_tile(q_full, q_empty, k_full, k_empty, v_full, v_empty, q_slot, q_phase, lo, hi,
+                                  kv_count, cid, BLOCK_N, KV_BUFFERS, False)
+        else:
+            rows = m0 + cid * HALF + tl.arange(0, HALF)
+            row_ok = rows < q_len
+            stat = tl.cast(head, tl.int64) * stat_h + out_start + rows
+            m_b, inv_b = backward_row_stats(tl.load(RowMax + stat, mask=row_ok, other=0.0),
+                                            tl.load(RowSum + stat, mask=row_ok, other=0.0))
+            o_rows = tl.cast(out_start + rows, tl.int64) * so_t + tl.cast(head, tl.int64) * so_h
+            o = tl.load(Out + o_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            tlx.barrier_wait(q_full[q_slot], q_phase)
+            q_tile = q_tiles[q_slot]
+            do_tile = do_tiles[q_slot]
+            # D = rowsum(dO∘O) from the rounded output, stored for the dK/dV pass (as the Triton dQ pass does).
+            delta = row_delta(tlx.local_load(do_tile), o)
+            tl.store(Delta + stat, delta, mask=row_ok)
+            dq = tl.zeros([HALF, HEAD_DIM], dtype=tl.float32)
+            for n in range(lo, hi, BLOCK_N):
+                slot = kv_count % KV_BUFFERS
+                phase = (kv_count // KV_BUFFERS) & 1
+                tlx.barrier_wait(k_full[slot], phase)
+                tlx.barrier_wait(v_full[slot], phase)
+                s = tlx.async_dot(q_tile, tlx.local_trans(k_tiles[slot]))  # S [HALF, BLOCK_N]
+                dp = tlx.async_dot(do_tile, tlx.local_trans(v_tiles[slot]))  # dP, runs during the exponents
+                s = tlx.async_dot_wait(1, s)
+                keys = n + tl.arange(0, BLOCK_N)
+                seen = visible(rows[:, None], keys[None, :], q_len, kv_len, window, HAS_WINDOW, CAUSAL)
+                s_raw = tl.where(seen & row_ok[:, None], raw_scores(s, NEG_SCALE), float("-inf"))
+                p = shifted_exp2((s_raw - m_b[:, None]) * scale_log2) * inv_b[:, None]
+                dp = tlx.async_dot_wait(0, dp)
+                tlx.barrier_arrive(v_empty[slot], 1)
+                dq = tlx.async_dot((p * (dp - delta[:, None])).to(DT), k_tiles[slot], dq)
+                dq = tlx.async_dot_wait(0, dq)
+                tlx.barrier_arrive(k_empty[slot], 1)
+                kv_count += 1
+            tlx.barrier_arrive(q_empty[q_slot], 1)  # every MMA reading this tile's Q and dO has retired
+            dq_rows = tl.cast(q_start + rows, tl.int64) * sdq_t + tl.cast(head, tl.int64) * sdq_h
+            tl.store(DQ + dq_rows[:, None] + offs_d[None, :], (dq * sm_scale).to(DT), mask=row_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["n_tiles", "n_heads", "group", "window", "stat_h", "q_rows", "out_rows", "kv_rows"])

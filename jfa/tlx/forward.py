@@ -176,18 +176,20 @@ def _qk_in_turn(q_tile, k_tile, cid: tl.constexpr):
 
 @triton.jit
 def _pass_tile(q_full, q_empty, k_full, k_empty, v_full, v_empty, q_slot, q_phase, lo, hi, kv_count,
-               cid: tl.constexpr, BLOCK_N: tl.constexpr, KV_BUFFERS: tl.constexpr):
-    """A consumer whose rows all lie past the sequence (the second half of a sequence's last tile when it has
-    at most 64 rows) computes nothing: it only keeps its barrier phases and the QK turns in step with the
-    producer and the other consumer, which then has the tensor cores to itself. It waits for each slot to be
-    full before releasing it, so that its arrivals never count towards a later phase of the slot."""
+               cid: tl.constexpr, BLOCK_N: tl.constexpr, KV_BUFFERS: tl.constexpr, TURNS: tl.constexpr):
+    """A consumer of a query-tile kernel (this forward, the dQ pass) whose rows all lie past the sequence (the
+    second half of a sequence's last tile when it has at most 64 rows) computes nothing: it only keeps its
+    barrier phases (and, with TURNS, the QK turns) in step with the producer and the other consumer, which
+    then has the tensor cores to itself. It waits for each slot to be full before releasing it, so that its
+    arrivals never count towards a later phase of the slot."""
     tlx.barrier_wait(q_full[q_slot], q_phase)
     for _n in range(lo, hi, BLOCK_N):
         slot = kv_count % KV_BUFFERS
         phase = (kv_count // KV_BUFFERS) & 1
         tlx.barrier_wait(k_full[slot], phase)
-        _wait_turn(cid)
-        _hand_turn(cid)
+        if TURNS:
+            _wait_turn(cid)
+            _hand_turn(cid)
         tlx.barrier_arrive(k_empty[slot], 1)
         tlx.barrier_wait(v_full[slot], phase)
         tlx.barrier_arrive(v_empty[slot], 1)
@@ -230,7 +232,7 @@ def _attend_tiles(q_tiles, k_tiles, v_tiles, q_full, q_empty, k_full, k_empty, v
         q_phase = (r // Q_BUFFERS) & 1
         if m0 + cid * HALF >= q_len:  # no row of this half exists: nothing to compute or store
             kv_count = _pass_tile(q_full, q_empty, k_full, k_empty, v_full, v_empty, q_slot, q_phase, lo, hi,
-                                  kv_count, cid, BLOCK_N, KV_BUFFERS)
+                                  kv_count, cid, BLOCK_N, KV_BUFFERS, True)
         else:
             rows = m0 + cid * HALF + tl.arange(0, HALF)
             m_i = tl.full([HALF], float("-inf"), dtype=tl.float32)
