@@ -411,6 +411,49 @@ def test_plan_covers_every_row_once(causal, window):
     assert host_plan(problem, PACK) is plan  # cached per length profile
 
 
+def _empty_inputs(case):
+    """q, k, v of a case's shapes (never read: only the host plan is built from them) and its offsets."""
+    q = torch.empty(case.q_tokens, case.q_heads, case.head_dim, dtype=torch.bfloat16)
+    k = torch.empty(case.kv_tokens, case.kv_heads, case.head_dim, dtype=torch.bfloat16)
+    v = torch.empty(case.kv_tokens, case.kv_heads, case.head_dim_v, dtype=torch.bfloat16)
+    q_off = None if case.broadcast_q else torch.tensor(np.cumsum([0, *case.q_lens]), dtype=torch.int32)
+    return q, k, v, q_off, torch.tensor(np.cumsum([0, *case.kv_lens]), dtype=torch.int32)
+
+
+def test_premerge_profile_has_idle_halves_in_every_tlx_tile_kernel():
+    """The TLX kernels skip the work of a consumer whose 64 query rows (forward, dQ pass: `_pass_tile`) or 64
+    keys (dK/dV pass: its `idle` branch) all lie past the sequence. The GPU gate verifies those branches only if
+    its profile has such tiles: count them over the premerge profile's cases on the TLX path, per mask kind."""
+    from fixtures.families import case_from_id
+    from fixtures.profiles import profile_case_ids
+    from jfa.tlx.backend import host_plan, key_table, pack_block_for, query_table, tlx_dkv, tlx_dq
+    from jfa.triton.backend import config_for, device_schedule, effective_window
+
+    half = 64
+    idle = {(kernel, kind): 0 for kernel in ("forward", "dq", "dkv") for kind in ("none", "causal", "window")}
+    for case_id in profile_case_ids("premerge"):
+        case = case_from_id(case_id)
+        if case.head_dim != case.head_dim_v or not case.kv_tokens:
+            continue
+        problem = problem_of(*_empty_inputs(case), causal=case.causal, window=case.window,
+                             broadcast_q=case.broadcast_q)
+        if not tlx_dkv(problem) or host_plan(problem, pack_block_for(problem)).path != "tlx":
+            continue
+        kind = "window" if case.window is not None else "causal" if case.causal else "none"
+        q_lens, kv_lens = np.asarray(case.q_lens), np.asarray(case.kv_lens)
+        plan = host_plan(problem, pack_block_for(problem))
+        window = None if problem.window is None else effective_window(problem)
+        host = device_schedule(problem, config_for(problem)).host
+        tables = [("forward", plan.tiles.entries, q_lens), ("dkv", key_table(problem, host.dkv, window)[0].entries,
+                                                                   kv_lens)]
+        if tlx_dq(problem):
+            tables.append(("dq", query_table(problem, host.dq, window)[0].entries, q_lens))
+        for kernel, entries, lens in tables:
+            if len(entries):
+                idle[kernel, kind] += bool((entries[:, 1] + half >= lens[entries[:, 0]]).any())
+    assert min(idle.values()) >= 2, idle
+
+
 def test_rows_of():
 
     off = np.array([0, 3, 3, 10, 12])
