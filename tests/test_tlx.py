@@ -438,11 +438,11 @@ def test_premerge_profile_has_idle_halves_in_every_tlx_tile_kernel():
             continue
         problem = problem_of(*_empty_inputs(case), causal=case.causal, window=case.window,
                              broadcast_q=case.broadcast_q)
-        if not tlx_dkv(problem) or host_plan(problem, pack_block_for(problem)).path != "tlx":
+        plan = host_plan(problem, pack_block_for(problem))
+        if not tlx_dkv(problem) or plan.path != "tlx":
             continue
         kind = "window" if case.window is not None else "causal" if case.causal else "none"
         q_lens, kv_lens = np.asarray(case.q_lens), np.asarray(case.kv_lens)
-        plan = host_plan(problem, pack_block_for(problem))
         window = None if problem.window is None else effective_window(problem)
         host = device_schedule(problem, config_for(problem)).host
         tables = [("forward", plan.tiles.entries, q_lens), ("dkv", key_table(problem, host.dkv, window)[0].entries,
