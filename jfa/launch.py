@@ -13,7 +13,9 @@ itself takes 41-76 µs before the GPU starts.
 Triton versions without `triton.knobs` (where the launch hooks it must respect live; 3.6, fbtriton 3.7.4 and
 3.9 have it and launch their JIT functions this way), kernels that are not plain JIT functions (the
 interpreter's, an autotuner) and runs with launch hooks installed (a profiler that wants to see each launch)
-launch the usual way, when the returned callable is called.
+launch the usual way, when the returned callable is called. A hook slot holds None or a `HookChain`, which
+counts as installed only when it has calls: stock triton's chain (3.6, 3.9) has no `__bool__` and is true even
+when empty (fbtriton's is false then).
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ def _launch_hooks():
     return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
 
 
+def _installed(hook) -> bool:
+    """Whether a launch hook slot calls anything: a hook chain by its calls (stock triton's is true even when
+    empty), any other value unless None."""
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else hook is not None
+
+
 def _current_stream():
     driver = triton.runtime.driver.active
     return driver.get_current_stream(driver.get_current_device())
@@ -44,7 +53,7 @@ def prepare(kernel, grid: tuple[int, ...], *args, **kwargs) -> Callable[[], None
         kernel[grid](*args, **kwargs)
 
     hooks = _launch_hooks()
-    if not isinstance(kernel, JITFunction) or hooks is None or any(hooks):
+    if not isinstance(kernel, JITFunction) or hooks is None or any(map(_installed, hooks)):
         return usual
     compiled = kernel.warmup(*args, grid=grid, **kwargs)
     if compiled is None:  # a jit_cache_hook took the compilation over: let the runtime launch as it would

@@ -28,8 +28,15 @@ class _Compiled:
         self.launches.append(args)
 
 
-@pytest.fixture
-def jit_kernel(monkeypatch):
+def _empty_chain(reversed_order=False):
+    """The runtime's default hook slot: an empty `HookChain` (stock triton's is true even when empty)."""
+    return triton.knobs.HookChain(reversed=reversed_order)
+
+
+@pytest.fixture(params=["none", "empty-chain"])
+def jit_kernel(monkeypatch, request):
+    """A JIT kernel whose warmup returns a recording stand-in, with no launch hook set: the slots None, or
+    the empty hook chains a fresh runtime holds."""
     kernel = JITFunction(_kernel_source)
     compiled = _Compiled()
     warmups = []
@@ -40,8 +47,9 @@ def jit_kernel(monkeypatch):
 
     monkeypatch.setattr(kernel, "warmup", warmup)
     monkeypatch.setattr(launch, "_current_stream", lambda: "stream-0")
-    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
-    monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", None)
+    empty = request.param == "empty-chain"
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", _empty_chain() if empty else None)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", _empty_chain(True) if empty else None)
     return kernel, compiled, warmups
 
 
@@ -105,12 +113,20 @@ def test_other_kernels_launch_the_usual_way_when_called():
     assert spy.launches == [((4,), (1,), {"BLOCK": 2})]
 
 
-def test_launch_hooks_keep_the_usual_launch(jit_kernel, monkeypatch):
-    """A profiler's launch hook must see the launch: with one installed the kernel launches through
-    `kernel[grid]`, which calls it, and no prepared launch runs."""
+def _chain_with_a_call():
+    chain = _empty_chain()
+    chain.add(lambda metadata: None)
+    return chain
+
+
+@pytest.mark.parametrize("hook", [lambda metadata: None, _chain_with_a_call()], ids=["function", "chain"])
+def test_launch_hooks_keep_the_usual_launch(jit_kernel, monkeypatch, hook):
+    """A profiler's launch hook must see the launch: with one installed (a function in the slot, or a call in
+    the runtime's hook chain) the kernel launches through `kernel[grid]`, which calls it, and no prepared launch
+    runs."""
     kernel, compiled, warmups = jit_kernel
     indexed = []
-    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", hook)
     monkeypatch.setattr(JITFunction, "__getitem__", lambda self, grid: lambda *a, **k: indexed.append(grid))
     ready = launch.prepare(kernel, (8,), X=1, n=2, scale=3.0, BLOCK=16)
     assert warmups == [] and indexed == []
