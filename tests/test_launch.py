@@ -66,6 +66,18 @@ def test_prepared_launch_binds_first_and_launches_only_when_called(jit_kernel):
                                   "x-tensor", 5, 0.5, 64, 7)]
 
 
+def test_the_runtimes_own_hook_slots_allow_the_prepared_launch(monkeypatch):
+    """With the hook slots as the installed Triton leaves them (not patched here), a JIT kernel's launch is
+    prepared: bound when made, launched directly when called."""
+    kernel, compiled, warmups = JITFunction(_kernel_source), _Compiled(), []
+    monkeypatch.setattr(kernel, "warmup", lambda *args, grid, **kwargs: warmups.append(grid) or compiled)
+    monkeypatch.setattr(launch, "_current_stream", lambda: "stream-0")
+    ready = launch.prepare(kernel, (2,), "x-tensor", n=1, scale=1.0, BLOCK=16)
+    assert warmups == [(2,)] and compiled.launches == []
+    ready()
+    assert len(compiled.launches) == 1
+
+
 def test_launch_confirmed_launches_after_the_confirmation(jit_kernel):
     kernel, compiled, _ = jit_kernel
     events = []
