@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from jfa import tile_scheduler as ts  # noqa: E402
-from tests.helpers import interpreter_unavailable, jagged_inputs, problem_of, rows_of  # noqa: E402
+from tests.helpers import interpreter_unavailable, jagged_inputs, offsets, problem_of, rows_of  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACK = 64  # the Triton backend's packed tile at D <= 128 on the GPU
@@ -416,8 +416,7 @@ def _empty_inputs(case):
     q = torch.empty(case.q_tokens, case.q_heads, case.head_dim, dtype=torch.bfloat16)
     k = torch.empty(case.kv_tokens, case.kv_heads, case.head_dim, dtype=torch.bfloat16)
     v = torch.empty(case.kv_tokens, case.kv_heads, case.head_dim_v, dtype=torch.bfloat16)
-    q_off = None if case.broadcast_q else torch.tensor(np.cumsum([0, *case.q_lens]), dtype=torch.int32)
-    return q, k, v, q_off, torch.tensor(np.cumsum([0, *case.kv_lens]), dtype=torch.int32)
+    return q, k, v, None if case.broadcast_q else offsets(case.q_lens), offsets(case.kv_lens)
 
 
 def test_premerge_profile_has_idle_halves_in_every_tlx_tile_kernel():
