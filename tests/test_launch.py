@@ -33,10 +33,10 @@ def _empty_chain(reversed_order=False):
     return triton.knobs.HookChain(reversed=reversed_order)
 
 
-@pytest.fixture(params=["none", "empty-chain"])
+@pytest.fixture(params=["none", "empty-chain", "as-installed"])
 def jit_kernel(monkeypatch, request):
-    """A JIT kernel whose warmup returns a recording stand-in, with no launch hook set: the slots None, or
-    the empty hook chains a fresh runtime holds."""
+    """A JIT kernel whose warmup returns a recording stand-in, with no launch hook set: the slots None, empty
+    hook chains, or left as the installed Triton has them."""
     kernel = JITFunction(_kernel_source)
     compiled = _Compiled()
     warmups = []
@@ -47,9 +47,10 @@ def jit_kernel(monkeypatch, request):
 
     monkeypatch.setattr(kernel, "warmup", warmup)
     monkeypatch.setattr(launch, "_current_stream", lambda: "stream-0")
-    empty = request.param == "empty-chain"
-    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", _empty_chain() if empty else None)
-    monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", _empty_chain(True) if empty else None)
+    if request.param != "as-installed":
+        empty = request.param == "empty-chain"
+        monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", _empty_chain() if empty else None)
+        monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", _empty_chain(True) if empty else None)
     return kernel, compiled, warmups
 
 
@@ -64,18 +65,6 @@ def test_prepared_launch_binds_first_and_launches_only_when_called(jit_kernel):
     # options such as num_warps not among them).
     assert compiled.launches == [(12, 1, 1, "stream-0", "function-handle", ("packed",), None, None, None,
                                   "x-tensor", 5, 0.5, 64, 7)]
-
-
-def test_the_runtimes_own_hook_slots_allow_the_prepared_launch(monkeypatch):
-    """With the hook slots as the installed Triton leaves them (not patched here), a JIT kernel's launch is
-    prepared: bound when made, launched directly when called."""
-    kernel, compiled, warmups = JITFunction(_kernel_source), _Compiled(), []
-    monkeypatch.setattr(kernel, "warmup", lambda *args, grid, **kwargs: warmups.append(grid) or compiled)
-    monkeypatch.setattr(launch, "_current_stream", lambda: "stream-0")
-    ready = launch.prepare(kernel, (2,), "x-tensor", n=1, scale=1.0, BLOCK=16)
-    assert warmups == [(2,)] and compiled.launches == []
-    ready()
-    assert len(compiled.launches) == 1
 
 
 def test_launch_confirmed_launches_after_the_confirmation(jit_kernel):
