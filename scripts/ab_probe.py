@@ -13,7 +13,8 @@ backend's default mode: its bits differ between runs of one tree). One JSON line
 `grid`/`static`/`dynamic` (the Triton tile schedule), `tlx`, e.g. gem:causal, gem:w256, tiny:grid, long:tlx.
 
 `summary` prints per row and pass the jfa kernels' device ms of each side (mean over rounds), their ratio
-(mine / base; below 1 is faster) and whether the two sides' outputs (fwd) and gradients (fwd+bwd) are bitwise
+(mine / base; below 1 is faster), the same ratio of all the device's work (torch's kernels and copies too) and of
+the op's do_bench ms, and whether the two sides' outputs (fwd) and gradients (fwd+bwd) are bitwise
 the same ("not comparable" where one side's backend leaves dq out of its digest and the other's does not).
 
 The stage alternates the sides round by round on one machine (run-to-run spread on the H200 is several
@@ -95,27 +96,40 @@ def pass_digests(outputs, grads, unordered_dq: bool) -> dict[str, str]:
 
 
 def summary(records: list[dict]) -> list[str]:
-    """Table lines: per (row, pass), each side's mean kernel ms over its rounds, mine/base and the bits."""
+    """Table lines: per (row, pass), each side's mean kernel ms over its rounds, mine/base, the same ratio of all
+    the device's work (`device`: torch's kernels too, e.g. the zero-fills a change may add or remove) and of the
+    op's do_bench time (`op`; "-" where a side's records lack it), and the bits."""
     ms, bits, compared = defaultdict(list), defaultdict(set), defaultdict(set)
     for r in records:
         side = r["tag"].split(":")[0]
-        ms[r["row"], r["op"], side].append(r["kernels_ms"])
+        for key in ("kernels_ms", "device_ms", "op_ms"):
+            ms[r["row"], r["op"], side, key].append(r.get(key))
         bits[r["row"], r["op"]].add(r["bits"])
         compared[r["row"], r["op"]].add(r.get("dq_compared", True))
-    lines = [f"{'row':16s} {'pass':8s} {'base ms':>9s} {'mine ms':>9s} {'mine/base':>9s}  bits"]
+
+    def mean(row, op, side, key):
+        values = ms.get((row, op, side, key))
+        return None if not values or None in values else sum(values) / len(values)
+
+    def ratio(row, op, key):
+        base, mine = mean(row, op, "base", key), mean(row, op, "mine", key)
+        return "-" if base is None or mine is None or not base else f"{mine / base:.3f}"
+
+    lines = [f"{'row':16s} {'pass':8s} {'base ms':>9s} {'mine ms':>9s} {'mine/base':>9s} {'device':>7s} {'op':>7s}"
+             "  bits"]
     for row, op in dict.fromkeys((r["row"], r["op"]) for r in records):
-        base, mine = ms.get((row, op, "base")), ms.get((row, op, "mine"))
-        if not base or not mine:
+        b, m = mean(row, op, "base", "kernels_ms"), mean(row, op, "mine", "kernels_ms")
+        if b is None or m is None:
             lines.append(f"{row:16s} {op:8s} {'(one side only)':>29s}")
             continue
-        b, m = sum(base) / len(base), sum(mine) / len(mine)
         if len(compared[row, op]) > 1:  # one side's backend waives dq_order, the other's not: other tensors digested
             same = "not comparable (dq in one side's digests only)"
         else:
             same = "same" if len(bits[row, op]) == 1 else "DIFFER"
             if compared[row, op] == {False}:
                 same += " (dk, dv; dq is added in no fixed order)"
-        lines.append(f"{row:16s} {op:8s} {b:9.3f} {m:9.3f} {m / b:9.3f}  {same}")
+        lines.append(f"{row:16s} {op:8s} {b:9.3f} {m:9.3f} {m / b:9.3f} {ratio(row, op, 'device_ms'):>7s} "
+                     f"{ratio(row, op, 'op_ms'):>7s}  {same}")
     return lines
 
 

@@ -23,8 +23,8 @@ def test_row_options():
         ab_probe.row_options("gem:x")
 
 
-def _record(tag, row, op, ms, bits="a"):
-    return dict(tag=tag, row=row, op=op, kernels_ms=ms, bits=bits)
+def _record(tag, row, op, ms, bits="a", **times):
+    return dict(tag=tag, row=row, op=op, kernels_ms=ms, bits=bits, **times)
 
 
 def test_summary_means_rounds_and_compares_bits():
@@ -34,10 +34,25 @@ def test_summary_means_rounds_and_compares_bits():
                _record("mine:1", "gem:causal", "fwd+bwd", 8.0, "b"),
                _record("base:1", "long", "fwd", 1.0)]
     lines = ab_probe.summary(records)
-    assert lines[1].split() == ["gem", "fwd", "3.000", "3.000", "1.000", "same"]
-    assert lines[2].split() == ["gem:causal", "fwd+bwd", "10.000", "8.000", "0.800", "DIFFER"]
+    assert lines[1].split() == ["gem", "fwd", "3.000", "3.000", "1.000", "-", "-", "same"]
+    assert lines[2].split() == ["gem:causal", "fwd+bwd", "10.000", "8.000", "0.800", "-", "-", "DIFFER"]
     assert lines[3].split() == ["long", "fwd", "(one", "side", "only)"]
     assert len(lines) == 4
+
+
+def test_summary_puts_all_device_work_and_the_op_beside_the_kernels():
+    """A change that moves work from a jfa kernel into torch's (a zero-fill, a copy) looks faster by the
+    kernels' ms alone: the ratios of all the device's work and of the op's time show it."""
+    records = [_record("base:1", "gem", "fwd+bwd", 10.0, device_ms=11.0, op_ms=12.0),
+               _record("mine:1", "gem", "fwd+bwd", 9.0, device_ms=11.0, op_ms=13.2),
+               _record("base:2", "gem", "fwd+bwd", 10.0, device_ms=11.0, op_ms=12.0),
+               _record("mine:2", "gem", "fwd+bwd", 9.0, device_ms=12.1, op_ms=13.2),
+               _record("base:1", "long", "fwd", 2.0, device_ms=2.0, op_ms=3.0),
+               _record("mine:1", "long", "fwd", 1.0)]  # a record without them: no ratio
+    lines = ab_probe.summary(records)
+    assert lines[0].split()[7:9] == ["device", "op"]
+    assert lines[1].split() == ["gem", "fwd+bwd", "10.000", "9.000", "0.900", "1.050", "1.100", "same"]
+    assert lines[2].split() == ["long", "fwd", "2.000", "1.000", "0.500", "-", "-", "same"]
 
 
 def test_pass_digests_hash_each_pass_and_leave_unordered_dq_out():
