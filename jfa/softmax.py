@@ -94,6 +94,28 @@ def backward_row_stats(m, l):
     return safe_max(m), tl.where(l > 0, 5.9604644775390625e-08 / tl.where(l > 0, l, 1.0), 0.0)
 
 
+# What the dK/dV pass reads of each query row, once per (query block, key block) pair: one 16-byte record
+# (m_safe, 2^-24/l, D, 0) per row and head, so that a block's statistics are one vector load per row and no
+# division, where deriving them from m and l in every pair cost a third of the pass's loop (`jfa.triton.backward`).
+ROW_RECORD = tl.constexpr(4)
+
+
+@triton.jit
+def pack_row_stats(m_b, inv_b, delta):
+    """[rows, ROW_RECORD] records (m_b, inv_b, delta, 0) of `backward_row_stats`' (m_b, inv_b) and D."""
+    rec = tl.join(tl.join(m_b, delta), tl.join(inv_b, tl.zeros_like(inv_b)))  # [rows, 2, 2]: [r, i, j] = 2i + j
+    return tl.reshape(rec, [m_b.shape[0], ROW_RECORD])
+
+
+@triton.jit
+def unpack_row_stats(rec, ROWS: tl.constexpr):
+    """(m_b, inv_b, delta) of [ROWS, ROW_RECORD] records written by `pack_row_stats`."""
+    even, odd = tl.split(tl.reshape(rec, [ROWS, 2, 2]))
+    m_b, delta = tl.split(even)
+    inv_b, _ = tl.split(odd)
+    return m_b, inv_b, delta
+
+
 @triton.jit
 def row_delta(do, o):
     """D = rowsum(dO∘O) in fp32, O the rounded output: one expression for every kernel that computes it (the

@@ -462,6 +462,38 @@ def test_every_element_written_and_no_stray_writes(monkeypatch, kv_heads):
         assert not torch.isnan(got[name]).any(), f"{name} has unwritten (NaN) elements"
 
 
+@needs_interpreter
+def test_row_records_after_a_given_dq_pass_match_the_dq_kernels():
+    """After a given dq_pass (another backend's; here one storing D by `_delta_kernel`, whose D has the dQ
+    kernel's bits) the Triton dK/dV kernel reads records packed by `_row_records_kernel`: every gradient has
+    the usual backward's bits. dq_in_dkv without a dK/dV pass is refused before any kernel runs."""
+    from jfa.triton import backend
+
+    # 50 and 70 query rows: beyond the small short-query and packed blocks, so the two passes run.
+    q, k, v, q_off, kv_off, dout = make_inputs([50, 9, 70], [60, 12, 40], 2, 2, 16, 16, seed=3)
+    problem = problem_of(q, k, v, q_off, kv_off, causal=True)
+    out, lse, residuals = backend.forward(q, k, v, problem)
+    want = backend.backward(dout, q, k, v, out, lse, residuals, problem)
+    calls = []
+
+    def dq_pass(q, k, v, out, dout, dq, row_max, row_sum, delta, table, problem):
+        calls.append(table)
+        backend._delta(out, dout, delta, problem)
+        dq.copy_(want[0])
+
+    got = backend.backward(dout, q, k, v, out, lse, residuals, problem, dq_pass=dq_pass)
+    assert len(calls) == 1
+    for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+        assert torch.equal(g, w), name
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("a pass ran")
+
+    with pytest.raises(ValueError, match="dq_in_dkv needs a dkv_pass"):
+        backend.backward(dout, q, k, v, out, lse, residuals, problem, dq_in_dkv=True, dq_pass=no_pass,
+                         short_pass=no_pass)
+
+
 @triton.jit
 def _block_ranges_kernel(args, out, n, window, BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr,
                          CAUSAL: tl.constexpr):

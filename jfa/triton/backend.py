@@ -38,6 +38,7 @@ import triton
 from jfa import tile_scheduler as ts
 from jfa.launch import launch_confirmed
 from jfa.problem import Problem
+from jfa.softmax import ROW_RECORD
 from jfa.triton import backward as bwd_kernels
 from jfa.triton import forward as fwd_kernels
 
@@ -398,11 +399,18 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
                                                                  device=device)
     delta = torch.empty(hq, rows, dtype=torch.float32, device=device)
     args = dict(
-        Q=q, K=k, V=v, DOut=dout, RowMax=row_max, RowSum=row_sum,
+        Q=q, K=k, V=v, DOut=dout,
         **_strides("sq", q, "thd"), **_strides("sk", k, "thd"), **_strides("sv", v, "thd"),
         **_strides("sdo", dout, "thd"), stat_h=row_max.stride(0), sm_scale=problem.sm_scale,
         profile=sched.host.profile, SCHEDULE=schedule, **_common(problem),
     )
+    stats = dict(RowMax=row_max, RowSum=row_sum)  # the forward's residuals, for the passes that derive P's
+    # The Triton dK/dV kernel reads its rows' records (jfa.softmax.pack_row_stats): the Triton dQ kernel stores
+    # them in place of D alone, and `_row_records` packs them after a given dq_pass.
+    triton_dkv = sched.host.dkv.n_tiles > 0 and dkv_pass is None
+    if triton_dkv and dq_in_dkv:
+        raise ValueError("dq_in_dkv needs a dkv_pass: the Triton dK/dV kernel adds no dq")
+    row_stats = torch.empty(hq, rows, ROW_RECORD.value, dtype=torch.float32, device=device) if triton_dkv else delta
     packed = sched.host.packed_bwd
     if packed.n_tiles:
         n = packed.n_tiles
@@ -412,7 +420,7 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
                 so_h=out.stride(1),
                 sdq_t=dq_target.stride(0), sdq_h=dq_target.stride(1), sdk_t=dk.stride(0), sdk_h=dk.stride(1),
                 sdv_t=dv.stride(0), sdv_h=dv.stride(1), n_heads=hq, BLOCK=packed.block,
-                SLOTS=packed.block // ts.PACK_ALIGN, DQ_PARTIAL=partial, **args)
+                SLOTS=packed.block // ts.PACK_ALIGN, DQ_PARTIAL=partial, **stats, **args)
     table = sched.host.short_bwd
     short_pass = short_pass if table.n_tiles else None
     if dq_in_dkv or short_pass is not None:  # passes that read D and compute none
@@ -426,25 +434,29 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
                 counter=_counter(device), so_t=out.stride(0), so_h=out.stride(1), sdq_t=dq_target.stride(0),
                 sdq_h=dq_target.stride(1), sdk_t=dk.stride(0), sdk_h=dk.stride(1), sdv_t=dv.stride(0),
                 sdv_h=dv.stride(1), n_heads=hq, BLOCK_M=config.short_bwd.block_m, BLOCK_N=config.short_bwd.block_n,
-                DQ_PARTIAL=partial, **args)
+                DQ_PARTIAL=partial, **stats, **args)
     table = sched.host.dq
     if table.n_tiles and not dq_in_dkv:  # with dq_in_dkv the dK/dV pass adds dq
         if dq_pass is not None and not partial:
             dq_pass(q, k, v, out, dout, dq, row_max, row_sum, delta, table, problem)
+            if triton_dkv:
+                _row_records(row_max, row_sum, delta, row_stats)
         else:
             n = table.n_tiles
             _launch(bwd_kernels._dq_kernel, config.dq, _programs(n, config.dq, schedule, device),
-                    problem, Out=out, DQ=dq_target, Delta=delta, tiles=sched.dq, n_tiles=n, counter=_counter(device),
+                    problem, Out=out, DQ=dq_target, Delta=row_stats, tiles=sched.dq, n_tiles=n,
+                    counter=_counter(device),
                     so_t=out.stride(0), so_h=out.stride(1), sdq_t=dq_target.stride(0), sdq_h=dq_target.stride(1),
-                    n_heads=hq, BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n, DQ_PARTIAL=partial, **args)
+                    n_heads=hq, BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n, DQ_PARTIAL=partial,
+                    ROW_STATS=triton_dkv, **stats, **args)
     table = sched.host.dkv
     if table.n_tiles and dkv_pass is not None:
         dkv_pass(q, k, v, dout, dk, dv, row_max, row_sum, delta, table, problem,
                  **({"dq": dq_target} if dq_in_dkv else {}))
-    elif table.n_tiles:
+    elif triton_dkv:
         n = table.n_tiles
         _launch(bwd_kernels._dkv_kernel, config.dkv, _programs(n, config.dkv, schedule, device),
-                problem, DK=dk, DV=dv, Delta=delta, tiles=sched.dkv, n_tiles=n, counter=_counter(device),
+                problem, DK=dk, DV=dv, RowStats=row_stats, tiles=sched.dkv, n_tiles=n, counter=_counter(device),
                 sdk_t=dk.stride(0), sdk_h=dk.stride(1), sdv_t=dv.stride(0), sdv_h=dv.stride(1),
                 n_kv_heads=problem.kv_heads, BLOCK_M=config.dkv.block_m, BLOCK_N=config.dkv.block_n, **args)
     if partial:
@@ -466,6 +478,14 @@ def dq_reduce_unroll(partials: int) -> int:
     (H200, one launch on gem's 367 M elements: 0.787 ms with 8, 0.568 ms with 1; broadcast's 1024 partials of 65 k
     elements: 0.112 ms with 8, 0.241 with 1; the same bits, since the order of the additions is the same)."""
     return 8 if partials > 1 else 1
+
+
+def _row_records(row_max, row_sum, delta, row_stats) -> None:
+    """The dK/dV kernel's records of every row ([Hq, rows, ROW_RECORD] `row_stats`) from the residuals and D
+    ([Hq, rows] each), where another backend's dQ pass stored D alone."""
+    n, block = delta.numel(), 1024
+    bwd_kernels._row_records_kernel[(triton.cdiv(n, block),)](row_max, row_sum, delta, row_stats, n, BLOCK=block,
+                                                               num_warps=4)
 
 
 def _delta(out, dout, delta, problem: Problem) -> None:

@@ -65,7 +65,7 @@ def role_variants(role: str, kcfg, d: int, dv: int, dtype: str = "bf16", causal:
     block_d, block_dv = backend.padded_dim(d), backend.padded_dim(dv)
     kernel = ROLE_KERNELS[role]
     pointers = {n: dtype for n in ("Q", "K", "V", "Out", "DOut", "DK", "DV")}
-    pointers.update({n: "fp32" for n in ("Lse", "RowMax", "RowSum", "Delta")})
+    pointers.update({n: "fp32" for n in ("Lse", "RowMax", "RowSum", "Delta", "RowStats")})
     pointers.update({n: "i32" for n in ("tiles", "counter", "q_offsets", "out_offsets", "kv_offsets", "pack_seqs",
                                         "pack_shift")})
     label, extra = _ROLE_LABELS[role], {}
@@ -75,7 +75,8 @@ def role_variants(role: str, kcfg, d: int, dv: int, dtype: str = "bf16", causal:
     tiles = (dict(BLOCK=kcfg.block_m, SLOTS=kcfg.block_m // 16) if role.startswith("packed")
              else dict(BLOCK_M=kcfg.block_m, BLOCK_N=kcfg.block_n))
     constexprs = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, NEG_SCALE=False,
-                      HAS_WINDOW=window, CAUSAL=causal, SCHEDULE=1, INTERPRET=False, **tiles, **extra)
+                      HAS_WINDOW=window, CAUSAL=causal, SCHEDULE=1, INTERPRET=False, ROW_STATS=True, **tiles,
+                      **extra)
     tag = f"D{d}/{dv} {dtype} causal={int(causal)} window={int(window)}"
     return [Variant(f"{label} s{stages} {tag}", kernel, pointers, constexprs, kcfg.num_warps, stages)
             for stages in kcfg.stages]
@@ -107,6 +108,8 @@ def variants(quick: bool = False, head_dims: list[tuple[int, int]] | None = None
     out += [Variant(f"delta dv={dv} {dt}", "_delta_kernel", {"Out": dt, "DOut": dt, "Delta": "fp32"},
                     dict(HEAD_DIM_V=dv, BLOCK_DV=backend.padded_dim(dv), BLOCK=64), 4, 2)
             for dv in sorted({dv for _, dv in dims}) for dt in dtypes]
+    out += [Variant("row_records", "_row_records_kernel",
+                    {n: "fp32" for n in ("RowMax", "RowSum", "Delta", "RowStats")}, dict(BLOCK=1024), 4, 2)]
     return out
 
 
