@@ -85,7 +85,7 @@ def test_variants_cover_every_kernel_once_per_configuration():
     assert {v.kernel for v in every} == kernels
     quick = compiled.variants(quick=True)
     assert {v.kernel for v in quick} == kernels
-    unmasked = ("_dq_reduce_kernel", "_delta_kernel", "_row_records_kernel")  # elementwise: no mask, no tiles
+    unmasked = ("_dq_reduce_kernel", "_delta_kernel", "_row_stats_kernel")  # elementwise: no mask, no tiles
     assert all("D128/128 bf16 causal=1 window=1" in v.label for v in quick if v.kernel not in unmasked)
     assert {v.label.split(" D")[1] for v in compiled.variants(head_dims=[(96, 96)]) if " D" in v.label} == {
         "96/96 bf16 causal=0 window=0", "96/96 bf16 causal=1 window=1"}

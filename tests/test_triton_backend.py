@@ -465,7 +465,7 @@ def test_every_element_written_and_no_stray_writes(monkeypatch, kv_heads):
 @needs_interpreter
 def test_row_records_after_a_given_dq_pass_match_the_dq_kernels():
     """After a given dq_pass (another backend's; here one storing D by `_delta_kernel`, whose D has the dQ
-    kernel's bits) the Triton dK/dV kernel reads records packed by `_row_records_kernel`: every gradient has
+    kernel's bits) the Triton dK/dV kernel reads records packed by `_row_stats_kernel`: every gradient has
     the usual backward's bits. dq_in_dkv without a dK/dV pass is refused before any kernel runs."""
     from jfa.triton import backend
 

@@ -345,9 +345,11 @@ def _statistics_descriptor(x: torch.Tensor, block_m: int):
 
 def _launch_dkv(q, k, v, dout, dk, dv, row_max, row_sum, delta, triton_table, problem: Problem, dq=None) -> None:
     """The TLX dK/dV pass (`jfa.tlx.backward`) over the sequences of the Triton dK/dV tile table; D (delta) is
-    the dQ pass's. The three statistics share one layout ([Hq, rows], contiguous, as both forwards and the
-    Triton backward allocate them). `dq` (fp32 [out rows, Hq, D], contiguous): the pass adds dq there too."""
-    from jfa.triton.backend import effective_window, scale_log2
+    the dQ pass's. The pass reads (m_safe, 2^-24/l) of each row, computed here from m and l by one Triton
+    kernel, in place of m and l (which its consumers would turn into those once per query block and key
+    tile). The statistics share one layout ([Hq, rows], contiguous, as both forwards and the Triton backward
+    allocate them). `dq` (fp32 [out rows, Hq, D], contiguous): the pass adds dq there too."""
+    from jfa.triton.backend import backward_statistics, effective_window, scale_log2
 
     device = q.device
     window = effective_window(problem)  # 0 without one
@@ -357,7 +359,8 @@ def _launch_dkv(q, k, v, dout, dk, dv, row_max, row_sum, delta, triton_table, pr
     desc_do, sdo_h = _descriptor(dout, BWD_BLOCK_M)
     desc_k, sk_h = _descriptor(k, BWD_BLOCK_N // 2)
     desc_v, sv_h = _descriptor(v, BWD_BLOCK_N // 2)
-    desc_m, desc_l, desc_delta = (_statistics_descriptor(x, BWD_BLOCK_M) for x in (row_max, row_sum, delta))
+    desc_shift, desc_scale, desc_delta = (_statistics_descriptor(x, BWD_BLOCK_M)
+                                          for x in (*backward_statistics(row_max, row_sum), delta))
     desc_dq = None
     if dq is not None:  # boxes of one 64-row block × half a head's columns, at column head·D + c·D/2
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -370,7 +373,7 @@ def _launch_dkv(q, k, v, dout, dk, dv, row_max, row_sum, delta, triton_table, pr
     scale = problem.sm_scale
     launch_confirmed(
         problem, kernel, (programs,),
-        desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, desc_dq, dk, dv,
+        desc_q, desc_do, desc_k, desc_v, desc_shift, desc_scale, desc_delta, desc_dq, dk, dv,
         _table_on(table, copies, device), n_tiles, problem.q_offsets, problem.out_offsets, problem.kv_offsets,
         sq_h, sdo_h, sk_h, sv_h, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         0 if dq is None else problem.head_dim, row_max.stride(0),

@@ -20,12 +20,13 @@ query blocks that see the keys); persistent over the static zigzag dealing of `j
 One CTA = three warpgroups:
 - producer (the "default" task, 4 warps): per tile, TMA loads of the two 64-key halves of K and of V (one
   half per consumer), then for every query head of the group and every query block of
-  `jfa.block_info.q_block_range` (BLOCK_M = 64 rows) the Q and dO blocks and the rows' statistics m, l (the
-  forward's residuals) and D into a ring of BUFFERS slots;
+  `jfa.block_info.q_block_range` (BLOCK_M = 64 rows) the Q and dO blocks and the rows' statistics m_safe and
+  2^-24/l (`jfa.softmax.backward_row_stats` of the forward's m and l, computed per row before the pass by the
+  Triton `_row_stats_kernel`, not per block in the consumers) and D into a ring of BUFFERS slots;
 - two consumers (4 warps each): consumer c owns keys [c·64, c·64 + 64) of the tile and their dk and dv
   accumulators. Per query block: Sᵀ = K_c·Qᵀ and dPᵀ = V_c·dOᵀ issued together (wgmma from shared memory),
-  Pᵀ recomputed from m and l while dPᵀ runs (`jfa.softmax.shifted_exp2`, subnormals kept), dv += Pᵀ·dO issued,
-  dSᵀ = Pᵀ∘(dPᵀ - D) while it runs, then dk += dSᵀ·Q (Pᵀ and dSᵀ from registers, rounded to the input dtype).
+  Pᵀ recomputed from those statistics while dPᵀ runs (`jfa.softmax.shifted_exp2`, subnormals kept), dv += Pᵀ·dO
+  issued, dSᵀ = Pᵀ∘(dPᵀ - D) while it runs, then dk += dSᵀ·Q (Pᵀ and dSᵀ from registers, rounded to the input dtype).
   dk (times the scale) and dv are stored once per tile, keys past the sequence masked.
 
 The statistics are [Hq, rows] fp32 arrays read through flat 1-D descriptors. TMA wants a 16-byte aligned
@@ -49,8 +50,8 @@ never stored; a tile no query block sees stores zeros.
 
 Registers: 240 per consumer thread (the dk and dv accumulators alone take 128), 24 for the producer's;
 `python -m jfa.tlx.compile_check` (fbtriton 3.7.4, strides divisible by 16 as the launcher specialises
-them) at D 128: dK/dV 147 KiB of shared memory, no spill but 24 bytes with causal and window both on; dQ 208
-KiB, no spill.
+them) at D 128, causal and window on (`--quick`, 2026-12-02): dK/dV 147 KiB of shared memory, no spill (211 KiB
+and 132 bytes of spill with the dq reduce); dQ 208 KiB, no spill.
 """
 
 from __future__ import annotations
@@ -87,13 +88,13 @@ def _key_tile(tiles, t, n_kv_heads, q_offsets, out_offsets, kv_offsets, window, 
 
 
 @triton.jit
-def _load_blocks(desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, q_tiles, do_tiles, k_tiles, v_tiles,
-                 m_tiles, l_tiles, delta_tiles, q_full, q_empty, kv_full, kv_empty, tiles, n_tiles, q_offsets,
-                 out_offsets, kv_offsets, sq_h, sdo_h, sk_h, sv_h, stat_h, q_rows, out_rows, kv_rows, window,
+def _load_blocks(desc_q, desc_do, desc_k, desc_v, desc_shift, desc_scale, desc_delta, q_tiles, do_tiles, k_tiles,
+                 v_tiles, shift_tiles, scale_tiles, delta_tiles, q_full, q_empty, kv_full, kv_empty, tiles, n_tiles,
+                 q_offsets, out_offsets, kv_offsets, sq_h, sdo_h, sk_h, sv_h, stat_h, q_rows, out_rows, kv_rows, window,
                  n_kv_heads, group, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BUFFERS: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
     """The producer: TMA loads of every tile's key/value halves and of the query blocks that see them, with
-    their rows' statistics (m, l, D: flat views of the [Hq, rows] fp32 arrays)."""
+    their rows' statistics (m_safe, 2^-24/l and D: flat views of the [Hq, rows] fp32 arrays)."""
     HALF: tl.constexpr = BLOCK_N // 2
     ELEM: tl.constexpr = tlx.size_of(tlx.dtype_of(desc_q))
     pid = tl.program_id(0)
@@ -124,8 +125,8 @@ def _load_blocks(desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, q_
                 # multiple of 4 below, and the consumers read from the row's offset in it.
                 stat = head * stat_h + out_start + m
                 aligned = stat - stat % STAT_ALIGN
-                tlx.async_descriptor_load(desc_m, m_tiles[slot], [aligned], q_full[slot])
-                tlx.async_descriptor_load(desc_l, l_tiles[slot], [aligned], q_full[slot])
+                tlx.async_descriptor_load(desc_shift, shift_tiles[slot], [aligned], q_full[slot])
+                tlx.async_descriptor_load(desc_scale, scale_tiles[slot], [aligned], q_full[slot])
                 tlx.async_descriptor_load(desc_delta, delta_tiles[slot], [aligned], q_full[slot])
                 count += 1
 
@@ -158,8 +159,8 @@ def _reduce_dq(dst, ds_tiles, dq_stage, k_tiles, desc_dq, count, row, column0, s
 
 
 @triton.jit
-def _accumulate_tiles(q_tiles, do_tiles, k_tiles, v_tiles, m_tiles, l_tiles, delta_tiles, q_full, q_empty, kv_full,
-                      kv_empty, ds_tiles, dq_stage, desc_dq, DK, DV, tiles, n_tiles, q_offsets, out_offsets,
+def _accumulate_tiles(q_tiles, do_tiles, k_tiles, v_tiles, shift_tiles, scale_tiles, delta_tiles, q_full, q_empty,
+                      kv_full, kv_empty, ds_tiles, dq_stage, desc_dq, DK, DV, tiles, n_tiles, q_offsets, out_offsets,
                       kv_offsets, sdk_t, sdk_h, sdv_t, sdv_h, sdq_h, stat_h, scale_log2, sm_scale, window, n_kv_heads,
                       group, cid: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BUFFERS: tl.constexpr, NEG_SCALE: tl.constexpr,
@@ -197,12 +198,12 @@ def _accumulate_tiles(q_tiles, do_tiles, k_tiles, v_tiles, m_tiles, l_tiles, del
                 st = tlx.async_dot_wait(1, st)
                 # The rule and the row mask on every block (a few integer compares per element; the blocks
                 # inside the sequence's fully visible range pass them all). Rows past the sequence read another
-                # sequence's statistics or TMA's zeros: their scores are -inf here, so their Pᵀ is 0 whatever m
-                # and l say (the forward wrote m and l of every row).
+                # sequence's statistics or TMA's zeros: their scores are -inf here, so their Pᵀ is 0 whatever
+                # they say (finite: `_row_stats_kernel` wrote them for every row from the forward's m and l).
                 seen = visible(rows[None, :], keys[:, None], q_len, kv_len, window, HAS_WINDOW, CAUSAL)
                 s_raw = tl.where(seen & row_ok[None, :], raw_scores(st, NEG_SCALE), float("-inf"))
-                m_b, inv_b = backward_row_stats(tlx.local_gather(m_tiles[slot], stat_at, 0),
-                                                tlx.local_gather(l_tiles[slot], stat_at, 0))
+                m_b = tlx.local_gather(shift_tiles[slot], stat_at, 0)  # `backward_row_stats`, per row beforehand
+                inv_b = tlx.local_gather(scale_tiles[slot], stat_at, 0)
                 pt = shifted_exp2((s_raw - m_b[None, :]) * scale_log2) * inv_b[None, :]
                 dv = tlx.async_dot(pt.to(DT), do_tiles[slot], dv)  # runs during dSᵀ
                 dpt = tlx.async_dot_wait(1, dpt)
@@ -235,7 +236,7 @@ def _accumulate_tiles(q_tiles, do_tiles, k_tiles, v_tiles, m_tiles, l_tiles, del
 @triton.jit(do_not_specialize=["n_tiles", "n_kv_heads", "group", "window", "stat_h", "q_rows", "out_rows",
                                "kv_rows"])
 def dkv_ws_kernel(
-    desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, desc_dq, DK, DV,
+    desc_q, desc_do, desc_k, desc_v, desc_shift, desc_scale, desc_delta, desc_dq, DK, DV,
     tiles, n_tiles, q_offsets, out_offsets, kv_offsets,
     sq_h, sdo_h, sk_h, sv_h, sdk_t, sdk_h, sdv_t, sdv_h, sdq_h, stat_h, q_rows, out_rows, kv_rows,
     scale_log2, sm_scale, window, n_kv_heads, group,
@@ -250,8 +251,8 @@ def dkv_ws_kernel(
     v_tiles = tlx.local_alloc((HALF, HEAD_DIM), DT, 2)
     q_tiles = tlx.local_alloc((BLOCK_M, HEAD_DIM), DT, BUFFERS)
     do_tiles = tlx.local_alloc((BLOCK_M, HEAD_DIM), DT, BUFFERS)
-    m_tiles = tlx.local_alloc((2 * BLOCK_M,), tl.float32, BUFFERS)  # a block's rows at offset < STAT_ALIGN
-    l_tiles = tlx.local_alloc((2 * BLOCK_M,), tl.float32, BUFFERS)
+    shift_tiles = tlx.local_alloc((2 * BLOCK_M,), tl.float32, BUFFERS)  # a block's rows at offset < STAT_ALIGN
+    scale_tiles = tlx.local_alloc((2 * BLOCK_M,), tl.float32, BUFFERS)
     delta_tiles = tlx.local_alloc((2 * BLOCK_M,), tl.float32, BUFFERS)
     kv_full = tlx.alloc_barriers(num_barriers=2, arrive_count=1)
     kv_empty = tlx.alloc_barriers(num_barriers=2, arrive_count=2 if DQ_REDUCE else 1)
@@ -264,16 +265,17 @@ def dkv_ws_kernel(
         dq_stage = tlx.local_alloc((BLOCK_M, HEAD_DIM // 2), tl.float32, 2)  # one per consumer
     with tlx.async_tasks():
         with tlx.async_task("default"):
-            _load_blocks(desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, q_tiles, do_tiles, k_tiles,
-                         v_tiles, m_tiles, l_tiles, delta_tiles, q_full, q_empty, kv_full, kv_empty, tiles, n_tiles,
-                         q_offsets, out_offsets, kv_offsets, sq_h, sdo_h, sk_h, sv_h, stat_h, q_rows, out_rows,
-                         kv_rows, window, n_kv_heads, group, HEAD_DIM, BLOCK_M, BLOCK_N, BUFFERS, HAS_WINDOW, CAUSAL)
+            _load_blocks(desc_q, desc_do, desc_k, desc_v, desc_shift, desc_scale, desc_delta, q_tiles, do_tiles,
+                         k_tiles, v_tiles, shift_tiles, scale_tiles, delta_tiles, q_full, q_empty, kv_full, kv_empty,
+                         tiles, n_tiles, q_offsets, out_offsets, kv_offsets, sq_h, sdo_h, sk_h, sv_h, stat_h, q_rows,
+                         out_rows, kv_rows, window, n_kv_heads, group, HEAD_DIM, BLOCK_M, BLOCK_N, BUFFERS, HAS_WINDOW,
+                         CAUSAL)
         with tlx.async_task(num_warps=4, registers=CONSUMER_REGISTERS, replicate=2):
-            _accumulate_tiles(q_tiles, do_tiles, k_tiles, v_tiles, m_tiles, l_tiles, delta_tiles, q_full, q_empty,
-                              kv_full, kv_empty, ds_tiles, dq_stage, desc_dq, DK, DV, tiles, n_tiles, q_offsets,
-                              out_offsets, kv_offsets, sdk_t, sdk_h, sdv_t, sdv_h, sdq_h, stat_h, scale_log2,
-                              sm_scale, window, n_kv_heads, group, tlx.async_task_replica_id(), HEAD_DIM, BLOCK_M,
-                              BLOCK_N, BUFFERS, NEG_SCALE, HAS_WINDOW, CAUSAL, DQ_REDUCE)
+            _accumulate_tiles(q_tiles, do_tiles, k_tiles, v_tiles, shift_tiles, scale_tiles, delta_tiles, q_full,
+                              q_empty, kv_full, kv_empty, ds_tiles, dq_stage, desc_dq, DK, DV, tiles, n_tiles,
+                              q_offsets, out_offsets, kv_offsets, sdk_t, sdk_h, sdv_t, sdv_h, sdq_h, stat_h,
+                              scale_log2, sm_scale, window, n_kv_heads, group, tlx.async_task_replica_id(), HEAD_DIM,
+                              BLOCK_M, BLOCK_N, BUFFERS, NEG_SCALE, HAS_WINDOW, CAUSAL, DQ_REDUCE)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ def backward_kernel(dtype: str, d: int, causal: bool, window: bool, neg: bool, d
                       HAS_WINDOW=window, CAUSAL=causal, DQ_REDUCE=dq_reduce)
     descriptors = {"desc_q": f"{dtype}[{BWD_BLOCK_M},{d}]", "desc_do": f"{dtype}[{BWD_BLOCK_M},{d}]",
                    "desc_k": f"{dtype}[{BWD_BLOCK_N // 2},{d}]", "desc_v": f"{dtype}[{BWD_BLOCK_N // 2},{d}]",
-                   **{name: f"fp32[{2 * BWD_BLOCK_M}]" for name in ("desc_m", "desc_l", "desc_delta")}}
+                   **{name: f"fp32[{2 * BWD_BLOCK_M}]" for name in ("desc_shift", "desc_scale", "desc_delta")}}
     if dq_reduce:
         descriptors["desc_dq"] = f"fp32[{BWD_BLOCK_M},{d // 2}]"
     else:

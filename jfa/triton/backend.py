@@ -440,7 +440,7 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
         if dq_pass is not None and not partial:
             dq_pass(q, k, v, out, dout, dq, row_max, row_sum, delta, table, problem)
             if triton_dkv:
-                _row_records(row_max, row_sum, delta, row_stats)
+                _row_stats(row_max, row_sum, row_stats, delta=delta)
         else:
             n = table.n_tiles
             _launch(bwd_kernels._dq_kernel, config.dq, _programs(n, config.dq, schedule, device),
@@ -480,12 +480,21 @@ def dq_reduce_unroll(partials: int) -> int:
     return 8 if partials > 1 else 1
 
 
-def _row_records(row_max, row_sum, delta, row_stats) -> None:
-    """The dK/dV kernel's records of every row ([Hq, rows, ROW_RECORD] `row_stats`) from the residuals and D
-    ([Hq, rows] each), where another backend's dQ pass stored D alone."""
-    n, block = delta.numel(), 1024
-    bwd_kernels._row_records_kernel[(triton.cdiv(n, block),)](row_max, row_sum, delta, row_stats, n, BLOCK=block,
-                                                               num_warps=4)
+def _row_stats(row_max, row_sum, stats, scale=None, delta=None) -> None:
+    """`_row_stats_kernel` over every row of the residuals ([Hq, rows] each): given `delta`, the dK/dV kernel's
+    records into `stats` ([Hq, rows, ROW_RECORD]); else m_safe into `stats` and 2^-24/l into `scale`."""
+    n, block = row_max.numel(), 1024
+    bwd_kernels._row_stats_kernel[(triton.cdiv(n, block),)](
+        row_max, row_sum, row_max if delta is None else delta, stats, stats if scale is None else scale, n,
+        RECORDS=delta is not None, BLOCK=block, num_warps=4)
+
+
+def backward_statistics(row_max, row_sum) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m_safe, 2^-24/l) of every row ([Hq, rows] fp32 each, `jfa.softmax.backward_row_stats`), for a dK/dV
+    pass that reads them instead of deriving them per block (the tlx backend's)."""
+    shift, scale = torch.empty_like(row_max), torch.empty_like(row_sum)
+    _row_stats(row_max, row_sum, shift, scale=scale)
+    return shift, scale
 
 
 def _delta(out, dout, delta, problem: Problem) -> None:

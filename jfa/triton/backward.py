@@ -34,7 +34,7 @@ written as an fp32 partial at its output rows ([out_rows, Hq, D] fp32, i.e. O(T�
 
 A dK/dV pass that also produces dq (the tlx backend's, given `dq_in_dkv` in `jfa.triton.backend.backward`)
 needs D before any dq pass: `_delta_kernel` computes it for every output row, as the dQ kernel does. Where
-another backend's dQ pass stores D (`dq_pass`) and `_dkv_kernel` follows, `_row_records_kernel` packs its
+another backend's dQ pass stores D (`dq_pass`) and `_dkv_kernel` follows, `_row_stats_kernel` packs its
 records from the residuals and that D.
 """
 
@@ -521,15 +521,21 @@ def _dq_reduce_kernel(Part, DQ, n_seqs, n_elem, BLOCK: tl.constexpr, UNROLL: tl.
 
 
 @triton.jit
-def _row_records_kernel(RowMax, RowSum, Delta, RowStats, n, BLOCK: tl.constexpr):
-    """RowStats[i] = `pack_row_stats` of element i of the flat [Hq·rows] residuals and D: the records
-    `_dkv_kernel` reads, where D came from another backend's dQ pass (the same bits as `_dq_kernel`'s)."""
+def _row_stats_kernel(RowMax, RowSum, Delta, Stats, Scale, n, RECORDS: tl.constexpr, BLOCK: tl.constexpr):
+    """`backward_row_stats` (m_safe, 2^-24/l) of every element of the flat [Hq·rows] residuals, the same bits
+    as the dQ kernels': with RECORDS, `pack_row_stats` records with D into Stats (for `_dkv_kernel`, where D
+    came from another backend's dQ pass); else m_safe into Stats and 2^-24/l into Scale (for the tlx dK/dV
+    pass, which reads them in place of m and l)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     m_b, inv_b = backward_row_stats(tl.load(RowMax + offs, mask=ok, other=0.0),
                                     tl.load(RowSum + offs, mask=ok, other=0.0))
-    records = RowStats + tl.cast(offs, tl.int64)[:, None] * ROW_RECORD + tl.arange(0, ROW_RECORD)[None, :]
-    tl.store(records, pack_row_stats(m_b, inv_b, tl.load(Delta + offs, mask=ok, other=0.0)), mask=ok[:, None])
+    if RECORDS:
+        records = Stats + tl.cast(offs, tl.int64)[:, None] * ROW_RECORD + tl.arange(0, ROW_RECORD)[None, :]
+        tl.store(records, pack_row_stats(m_b, inv_b, tl.load(Delta + offs, mask=ok, other=0.0)), mask=ok[:, None])
+    else:
+        tl.store(Stats + offs, m_b, mask=ok)
+        tl.store(Scale + offs, inv_b, mask=ok)
 
 
 @triton.jit

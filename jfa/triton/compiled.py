@@ -108,8 +108,9 @@ def variants(quick: bool = False, head_dims: list[tuple[int, int]] | None = None
     out += [Variant(f"delta dv={dv} {dt}", "_delta_kernel", {"Out": dt, "DOut": dt, "Delta": "fp32"},
                     dict(HEAD_DIM_V=dv, BLOCK_DV=backend.padded_dim(dv), BLOCK=64), 4, 2)
             for dv in sorted({dv for _, dv in dims}) for dt in dtypes]
-    out += [Variant("row_records", "_row_records_kernel",
-                    {n: "fp32" for n in ("RowMax", "RowSum", "Delta", "RowStats")}, dict(BLOCK=1024), 4, 2)]
+    out += [Variant(f"row_stats records={int(records)}", "_row_stats_kernel",
+                    {n: "fp32" for n in ("RowMax", "RowSum", "Delta", "Stats", "Scale")},
+                    dict(RECORDS=records, BLOCK=1024), 4, 2) for records in (True, False)]
     return out
 
 
