@@ -406,7 +406,7 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
     )
     stats = dict(RowMax=row_max, RowSum=row_sum)  # the forward's residuals, for the passes that derive P's
     # The Triton dK/dV kernel reads its rows' records (jfa.softmax.pack_row_stats): the Triton dQ kernel stores
-    # them in place of D alone, and `_row_records` packs them after a given dq_pass.
+    # them in place of D alone, and `_row_stats` packs them after a given dq_pass.
     triton_dkv = sched.host.dkv.n_tiles > 0 and dkv_pass is None
     if triton_dkv and dq_in_dkv:
         raise ValueError("dq_in_dkv needs a dkv_pass: the Triton dK/dV kernel adds no dq")

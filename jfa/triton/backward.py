@@ -143,9 +143,9 @@ def _dq_kernel(
     NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, DQ_PARTIAL: tl.constexpr,
     ROW_STATS: tl.constexpr, SCHEDULE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """dq (or its fp32 per-sequence partial with broadcast_q) over ordinary query tiles, and for their rows D
-    for `_dkv_kernel` (ROW_STATS) their records `jfa.softmax.pack_row_stats` ([Hq, rows, ROW_RECORD] fp32 at
-    Delta), else D alone ([Hq, rows] at Delta, for a dK/dV pass of another backend)."""
+    """dq (or its fp32 per-sequence partial with broadcast_q) over ordinary query tiles; for their rows, at
+    Delta, either the records of `jfa.softmax.pack_row_stats` ([Hq, rows, ROW_RECORD] fp32; ROW_STATS, for
+    `_dkv_kernel`) or D alone ([Hq, rows], for a dK/dV pass of another backend)."""
     DT: tl.constexpr = Q.dtype.element_ty
     MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
     MASK_DV: tl.constexpr = HEAD_DIM_V != BLOCK_DV
@@ -244,8 +244,8 @@ def _dkv_kernel(
     NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
     SCHEDULE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """dk, dv over ordinary key tiles (sequence, key block, key/value head), summed over the group, from D and
-    the records (`jfa.softmax.pack_row_stats`) `_dq_kernel` stored for their query rows."""
+    """dk, dv over ordinary key tiles (sequence, key block, key/value head), summed over the group, from the
+    records (m_safe, 2^-24/l, D; `jfa.softmax.pack_row_stats`) `_dq_kernel` stored for their query rows."""
     DT: tl.constexpr = Q.dtype.element_ty
     MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
     MASK_DV: tl.constexpr = HEAD_DIM_V != BLOCK_DV
