@@ -72,6 +72,9 @@ class KernelConfig:
     num_warps: int
     stages: tuple[int, ...]  # num_stages candidates; the first is used without autotuning
     resident: int = 1  # programs one SM holds at once (registers, shared memory): persistent grid = SMs × this
+    # ptxas's register cap per thread (Triton's `maxnreg`), None: its own choice (up to 255). A latency-bound
+    # kernel may run faster with more programs per SM at fewer registers each, some spilled.
+    max_registers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -281,14 +284,17 @@ def _launch(kernel, cfg: KernelConfig, grid: int, problem: Problem, **kwargs) ->
     if _autotune_enabled() and len(cfg.stages) > 1:
         key = (kernel, cfg)
         if key not in _TUNED:
-            configs = [triton.Config({}, num_warps=cfg.num_warps, num_stages=s) for s in cfg.stages]
+            configs = [triton.Config({}, num_warps=cfg.num_warps, num_stages=s, maxnreg=cfg.max_registers)
+                       for s in cfg.stages]
             _TUNED[key] = triton.autotune(
                 configs=configs, key=["HEAD_DIM", "HEAD_DIM_V", "profile", "CAUSAL", "HAS_WINDOW"],
                 reset_to_zero=["counter"], restore_value=["counter"],
             )(kernel)
         launch_confirmed(problem, _TUNED[key], (grid,), **kwargs)
     else:
-        launch_confirmed(problem, kernel, (grid,), **kwargs, num_warps=cfg.num_warps, num_stages=cfg.stages[0])
+        registers = {} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}
+        launch_confirmed(problem, kernel, (grid,), **kwargs, num_warps=cfg.num_warps, num_stages=cfg.stages[0],
+                         **registers)
 
 
 def _counter(device) -> torch.Tensor:

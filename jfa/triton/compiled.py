@@ -47,6 +47,7 @@ class Variant:
     constexprs: dict = field(hash=False)
     num_warps: int
     num_stages: int
+    max_registers: int | None = None  # KernelConfig.max_registers: Triton's maxnreg
 
 
 # The kernel each config role of `jfa.triton.backend.BackendConfig` launches.
@@ -78,8 +79,9 @@ def role_variants(role: str, kcfg, d: int, dv: int, dtype: str = "bf16", causal:
                       HAS_WINDOW=window, CAUSAL=causal, SCHEDULE=1, INTERPRET=False, ROW_STATS=True, **tiles,
                       **extra)
     tag = f"D{d}/{dv} {dtype} causal={int(causal)} window={int(window)}"
-    return [Variant(f"{label} s{stages} {tag}", kernel, pointers, constexprs, kcfg.num_warps, stages)
-            for stages in kcfg.stages]
+    cap = "" if kcfg.max_registers is None else f" m{kcfg.max_registers}"
+    return [Variant(f"{label} s{stages}{cap} {tag}", kernel, pointers, constexprs, kcfg.num_warps, stages,
+                    kcfg.max_registers) for stages in kcfg.stages]
 
 
 def variants(quick: bool = False, head_dims: list[tuple[int, int]] | None = None) -> list[Variant]:
@@ -153,7 +155,8 @@ def compile_variant(variant: Variant, arch: int = 90):
             if name.startswith("s") and name[-2:] in ("_t", "_h"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=variant.num_warps, num_stages=variant.num_stages))
+                          options=dict(num_warps=variant.num_warps, num_stages=variant.num_stages,
+                                       maxnreg=variant.max_registers))
 
 
 def ptxas_stats(kernel, arch: int = 90) -> tuple[str, str, str]:

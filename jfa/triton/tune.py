@@ -90,25 +90,33 @@ GRID = {
     "short_bwd": ((128, 64, 8, (2, 3)), (128, 32, 8, (2, 3)), (128, 64, 4, (2,)), (128, 32, 4, (2,)),
                   (128, 128, 8, (2,)), (64, 64, 4, (2,)), (64, 32, 4, (2,))),
 }
-PACKED_GRID = tuple((b, b, warps, (1, 2)) for b in (32, 64, 128) for warps in (4, 8))
+# Packed tiles are memory-bound: deeper head-loop pipelines (3, 4 stages) hold more bytes in flight where the
+# shared memory allows (a 128-row stage is 96 KiB at head dim 128, so 128 stays at 1 and 2).
+PACKED_GRID = tuple((b, b, warps, (1, 2, 3, 4) if b <= 64 else (1, 2)) for b in (32, 64, 128) for warps in (4, 8))
+# Packed tiles at 4 warps and <= 64 rows, 1 or 2 stages, also with ptxas's registers capped (max_registers,
+# resident): a packed program waits on its loads most of the time, so more programs per SM may win despite
+# spills; 65,536 registers hold 3 programs of 128 threads at 168 registers, 4 at 128.
+PACKED_CAPS = ((168, 3), (128, 4))
 MIN_BLOCK = 16  # tl.dot's smallest tile
 MIN_PACKED_BLOCK = 2 * ts.PACK_ALIGN  # a packed tile of one slot packs nothing
 
 
 def runs_as(cfg: KernelConfig) -> tuple:
     """What a config launches with autotuning off (the first num_stages only): configs equal here are one."""
-    return cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages[0], cfg.resident
+    return cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages[0], cfg.resident, cfg.max_registers
 
 
 def label(cfg: KernelConfig) -> str:
-    return f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.stages[0]} r{cfg.resident}"
+    cap = "" if cfg.max_registers is None else f" m{cfg.max_registers}"
+    return f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.stages[0]} r{cfg.resident}{cap}"
 
 
 def candidates(role: str, block_d: int) -> list[KernelConfig]:
     """The shipped config of `role` at padded head dim `block_d`, then the grid's alternatives, each with one
     num_stages and resident 1, or also 2 for 4 warps on blocks of <= 64 rows (two such programs may fit an SM;
     more than fit only queue, which the dynamic tile counter makes harmless), and 4 for such packed tiles
-    (memory-bound: bytes in flight need programs in flight). No two run alike."""
+    (memory-bound: bytes in flight need programs in flight), 2 for 8-warp packed tiles of <= 64 rows, and packed
+    4-warp tiles at 1 or 2 stages also with their registers capped (`PACKED_CAPS`). No two run alike."""
     shipped = getattr(gpu_config(block_d), role)
     if shipped is None:
         raise ValueError(f"no {role} config ships for padded head dim {block_d}: nothing to compare against")
@@ -120,9 +128,13 @@ def candidates(role: str, block_d: int) -> list[KernelConfig]:
         residents = (1,)
         if warps == 4 and block_m <= 64:
             residents = (1, 2, 4) if role.startswith("packed") else (1, 2)
+        elif role.startswith("packed") and block_m <= 64:
+            residents = (1, 2)
         for stage in stages:
-            for resident in residents:
-                cfg = KernelConfig(max(low, block_m // shrink), max(low, block_n // shrink), warps, (stage,), resident)
+            capped = role.startswith("packed") and warps == 4 and block_m <= 64 and stage <= 2
+            for max_registers, resident in [(None, r) for r in residents] + list(PACKED_CAPS if capped else ()):
+                cfg = KernelConfig(max(low, block_m // shrink), max(low, block_n // shrink), warps, (stage,), resident,
+                                   max_registers)
                 if runs_as(cfg) not in seen:
                     seen.add(runs_as(cfg))
                     out.append(cfg)
