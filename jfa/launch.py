@@ -10,6 +10,14 @@ the host, 2026-12-01 08:12 → 08:37 UTC) the host time after `confirm()` fell f
 (tlx gem and long, triton gem); the launch now starts 1 µs after `confirm()` returns, and the driver launch
 itself takes 41-76 µs before the GPU starts.
 
+TMA descriptors (the TLX kernels' `TensorDescriptor` arguments). fbtriton's launcher encodes each one
+(`cuTensorMapEncodeTiled`, through its `make_tensordesc_arg`) at every launch, inside the call that `launch`
+makes: 38 µs of the TLX forward's 104-113 µs launch on the H200 (2026-12-01), all of it after `confirm()`, while
+the GPU waits. Where the launcher is fbtriton's (`CudaLauncher`, whose `launch` wraps the driver's launch in
+that encoding), `prepare` encodes the descriptors itself, in the same function with the same metadata, and the
+prepared launch calls the driver's launch with the encoded arguments; any other launcher encodes at the
+launch, as before.
+
 Triton versions without `triton.knobs` (where the launch hooks it must respect live; 3.6, fbtriton 3.7.4 and
 3.9 have it and launch their JIT functions this way), kernels that are not plain JIT functions (the
 interpreter's, an autotuner) and runs with launch hooks installed (a profiler that wants to see each launch)
@@ -20,6 +28,10 @@ when empty (fbtriton's is false then).
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import inspect
+import sys
 from collections.abc import Callable
 
 import triton
@@ -46,6 +58,45 @@ def _current_stream():
     return driver.get_current_stream(driver.get_current_device())
 
 
+def _driver_launch():
+    """The driver's launch function that fbtriton's `CudaLauncher` wraps (its `utils.launch`), or None."""
+    return getattr(getattr(triton.runtime.driver.active, "utils", None), "launch", None)
+
+
+def _closure_values(fn) -> list:
+    """The values a function's closure holds (none for other objects; empty cells left out)."""
+    values = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            values.append(cell.cell_contents)
+    return values
+
+
+def encoded_descriptors(run, metadata, values: list):
+    """(launcher, values) with `values`' TensorDescriptor arguments encoded now: a copy of the launcher `run`
+    that calls the driver's launch directly, and the arguments as fbtriton's wrapper would pass it (each
+    descriptor replaced by its encoding, shape and strides, `make_tensordesc_arg`). None where the kernel has no
+    descriptors or `run` is not a launcher this can drive: a `launch` attribute wrapping the driver's launch,
+    and a `make_tensordesc_arg(arg, metadata, _)` in the launcher's module."""
+    descriptor_meta = getattr(metadata, "tensordesc_meta", None)
+    encode = getattr(sys.modules.get(type(run).__module__), "make_tensordesc_arg", None)
+    if not descriptor_meta or encode is None or len(inspect.signature(encode).parameters) != 3:
+        return None
+    driver_launch = _driver_launch()
+    if driver_launch is None or not any(value is driver_launch
+                                        for value in _closure_values(getattr(run, "launch", None))):
+        return None
+    flat, meta = [], iter(descriptor_meta)
+    for value in values:
+        if type(value).__name__ == "TensorDescriptor":
+            flat.extend(encode(value, next(meta), None))
+        else:
+            flat.append(value)
+    direct = copy.copy(run)
+    direct.launch = driver_launch
+    return direct, flat
+
+
 def prepare(kernel, grid: tuple[int, ...], *args, **kwargs) -> Callable[[], None]:
     """A callable that launches `kernel[grid](*args, **kwargs)` on the stream current now, with the runtime's
     binding, specialisation and cache lookup (and a first call's compilation) done here, ahead of it."""
@@ -67,6 +118,9 @@ def prepare(kernel, grid: tuple[int, ...], *args, **kwargs) -> Callable[[], None
     stream = _current_stream()
     run = compiled.run  # loads the module on a first launch
     function, metadata = compiled.function, compiled.packed_metadata
+    encoded = encoded_descriptors(run, getattr(compiled, "metadata", None), values)
+    if encoded is not None:
+        run, values = encoded
 
     def launch() -> None:
         run(x, y, z, stream, function, metadata, None, None, None, *values)

@@ -5,6 +5,9 @@ No GPU here: the compiled kernel is a stand-in that records its launches."""
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import triton
 import triton.language as tl
@@ -147,3 +150,68 @@ def test_no_compiled_kernel_keeps_the_usual_launch(jit_kernel, monkeypatch):
     assert indexed == []
     ready()
     assert indexed == [((2,), dict(X=1, n=2, scale=3.0, BLOCK=16))] and compiled.launches == []
+
+
+class TensorDescriptor:
+    """Stand-in for triton.tools.tensor_descriptor.TensorDescriptor (recognised by its class name)."""
+
+    def __init__(self, name):
+        self.name, self.shape, self.strides = name, [64, 128], [128, 1]
+
+
+def _launcher_module(monkeypatch, encodings):
+    """A stand-in of fbtriton's nvidia driver module: its `make_tensordesc_arg` records each encoding, its
+    `CudaLauncher` calls `self.launch` with the arguments as one tuple, as fbtriton's does."""
+    module = types.ModuleType("fake_nvidia_driver")
+
+    def make_tensordesc_arg(arg, metadata, _):
+        encodings.append((arg.name, metadata))
+        return [f"map:{arg.name}", *arg.shape, *arg.strides]
+
+    class CudaLauncher:
+        def __init__(self, launch):
+            self.launch = launch
+
+        def __call__(self, x, y, z, stream, function, metadata, launch_metadata, enter, exit_, *args):
+            self.launch(x, y, z, stream, function, metadata, args)
+
+    CudaLauncher.__module__ = module.__name__
+    module.make_tensordesc_arg, module.CudaLauncher = make_tensordesc_arg, CudaLauncher
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module
+
+
+@pytest.mark.parametrize("wraps_the_driver", [True, False])
+def test_descriptors_are_encoded_when_prepared(jit_kernel, monkeypatch, wraps_the_driver):
+    """fbtriton's launcher encodes TMA descriptors inside the launch; a prepared launch of a launcher that wraps
+    the driver's launch encodes them when prepared (before `confirm()`) and hands the driver the encoded
+    arguments at the launch. Any other launcher keeps its own launch, which encodes then."""
+    kernel, compiled, _ = jit_kernel
+    encodings, driver_calls, wrapper_calls = [], [], []
+
+    def driver_launch(*args):
+        driver_calls.append(args)
+
+    def foreign(*args):  # a launch function the launcher might wrap instead
+        pass
+
+    wrapped = driver_launch if wraps_the_driver else foreign
+
+    def wrapper(*args):  # fbtriton's wrap_handle_tensordesc: a closure over the driver's launch
+        wrapper_calls.append(args)
+        return wrapped
+
+    module = _launcher_module(monkeypatch, encodings)
+    monkeypatch.setattr(launch, "_driver_launch", lambda: driver_launch)
+    compiled.run = module.CudaLauncher(wrapper)
+    compiled.metadata = type("Metadata", (), {"tensordesc_meta": [{"swizzle": 1}, {"swizzle": 2}]})()
+    ready = launch.prepare(kernel, (5,), TensorDescriptor("q"), n=TensorDescriptor("k"), scale=0.5, BLOCK=64)
+    assert encodings == ([("q", {"swizzle": 1}), ("k", {"swizzle": 2})] if wraps_the_driver else [])
+    ready()
+    if wraps_the_driver:
+        assert wrapper_calls == [] and len(driver_calls) == 1
+        assert driver_calls[0][-1] == ("map:q", 64, 128, 128, 1, "map:k", 64, 128, 128, 1, 0.5, 64, 7)
+        assert compiled.run.launch is wrapper  # the launcher itself is left as it was
+    else:
+        assert driver_calls == [] and len(wrapper_calls) == 1
+        assert [type(a).__name__ for a in wrapper_calls[0][-1][:2]] == ["TensorDescriptor", "TensorDescriptor"]
