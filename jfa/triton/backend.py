@@ -403,7 +403,6 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
     if partial:  # zeroed for dq_in_dkv: its dK/dV pass adds into the rows
         dq_target = (torch.zeros if dq_in_dkv else torch.empty)(rows, hq, problem.head_dim, dtype=torch.float32,
                                                                  device=device)
-    delta = torch.empty(hq, rows, dtype=torch.float32, device=device)
     args = dict(
         Q=q, K=k, V=v, DOut=dout,
         **_strides("sq", q, "thd"), **_strides("sk", k, "thd"), **_strides("sv", v, "thd"),
@@ -416,6 +415,11 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
     triton_dkv = sched.host.dkv.n_tiles > 0 and dkv_pass is None
     if triton_dkv and dq_in_dkv:
         raise ValueError("dq_in_dkv needs a dkv_pass: the Triton dK/dV kernel adds no dq")
+    short_pass = short_pass if sched.host.short_bwd.n_tiles else None
+    # D as an array of its own ([Hq, rows]) only for what reads or writes it there: the given passes, and the
+    # Triton dQ kernel when no Triton dK/dV pass takes its records (11 MiB on jfa.bench's gem row otherwise unused).
+    needs_delta = not triton_dkv or short_pass is not None or (dq_pass is not None and not partial)
+    delta = torch.empty(hq, rows, dtype=torch.float32, device=device) if needs_delta else None
     row_stats = torch.empty(hq, rows, ROW_RECORD.value, dtype=torch.float32, device=device) if triton_dkv else delta
     packed = sched.host.packed_bwd
     if packed.n_tiles:
@@ -428,7 +432,6 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
                 sdv_t=dv.stride(0), sdv_h=dv.stride(1), n_heads=hq, BLOCK=packed.block,
                 SLOTS=packed.block // ts.PACK_ALIGN, DQ_PARTIAL=partial, **stats, **args)
     table = sched.host.short_bwd
-    short_pass = short_pass if table.n_tiles else None
     if dq_in_dkv or short_pass is not None:  # passes that read D and compute none
         _delta(out, dout, delta, problem)
     if short_pass is not None:
