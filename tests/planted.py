@@ -49,6 +49,9 @@ BUGS = (
         "invariants:written", ("causal_q_ne_kv:0", "window:0", "kv_empty_q_nonempty:0", "empty_middle:0")),
     Bug("neighbour_leak", "keys are masked per block only: the tail of the last key block reads the next sequence",
         "forward:bound", ("uniform:0", "gem_like:0")),
+    Bug("masked_neighbour_rows", "a sequence's last key block reads on into the next sequence's rows and masks "
+        "them (weight 0): right on finite values, but 0·NaN carries a NaN inside the next sequence across",
+        "invariants:isolation", ("uniform:0", "gem_like:0")),
     Bug("p_not_renormalised", "online softmax: the row sum is not rescaled when the running max grows",
         "forward:bound", ("uniform:0", "scaled:0")),
     Bug("lse_fp32_recompute", "backward recomputes P = exp(S - lse) in fp32: for huge logits lse = m, so P sums to n",
@@ -147,14 +150,20 @@ class Emulator:
         if self.bug == "kv_mask_off_by_one":
             return kv_len + 1
         if self.bug == "neighbour_leak":
-            return -(-kv_len // self.active["BLOCK_N"]) * self.active["BLOCK_N"]
+            return self._loaded_len(kv_len)
         return kv_len
+
+    def _loaded_len(self, kv_len: int) -> int:
+        """How many key rows from the sequence's start are read: whole key blocks where a bug reads past its end."""
+        if self.bug in ("neighbour_leak", "masked_neighbour_rows"):
+            return -(-kv_len // self.active["BLOCK_N"]) * self.active["BLOCK_N"]
+        return self._visible_len(kv_len)
 
     def _keys(self, k, v, problem: Problem, b: int, kv_len: int, first_sequence: bool = False):
         """Key/value rows of sequence b (or of sequence 0, for dq_first_segment_only) as [Hq, L, D] fp32 over
         query heads, reading past the sequence's end where the mask lets keys through, and their rows."""
         start = int(problem.kv_offsets_host[0 if first_sequence else b])
-        length = self._visible_len(kv_len)
+        length = self._loaded_len(kv_len)
         rows = torch.arange(start, start + length, device=k.device).clamp(max=max(problem.kv_rows - 1, 0))
         heads = torch.arange(problem.q_heads, device=k.device) // problem.group_size
         if problem.kv_rows == 0:

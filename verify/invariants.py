@@ -1,5 +1,6 @@
 """The invariants of DESIGN.md checked exactly (bitwise): every element written, repeatable runs,
-deterministic dq, offsets buffers reused, padding insensitivity, batch invariance, inputs untouched."""
+deterministic dq, offsets buffers reused, padding insensitivity, batch invariance, sequence isolation (a NaN
+inside one sequence reaches no other), inputs untouched."""
 
 from __future__ import annotations
 
@@ -128,7 +129,7 @@ def _unwritten(outputs: Outputs, ctx: CaseContext) -> list[str]:
 # reduce), so the padding and batch checks compare dq between deterministic=True runs instead (the contract
 # promises a reproducible dq only there; out, lse, dk and dv are still compared in the default mode).
 WAIVABLE = {"run_to_run": ("repeatable", "deterministic"), "batch": ("padding", "batch_permuted", "batch_alone"),
-            "dq_order": ()}
+            "dq_order": (), "isolation": ("isolation",)}
 
 
 def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
@@ -180,6 +181,9 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
         findings["padding"] += _differences(first, run(fn, *padded_args, padded.kwargs, backward=True,
                                                        deterministic=True), ("dq",))
 
+    if "isolation" not in waived:
+        findings["isolation"] = _isolation(fn, ctx, base, names)
+
     findings["batch_permuted"], findings["batch_alone"], findings["offsets_reused"] = [], [], []
     # A sub-batch is called without max_*_len, so a kernel whose arithmetic depends on them shows up too.
     sub_kwargs = {**inputs.kwargs, "max_q_len": None, "max_kv_len": None}
@@ -198,6 +202,43 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
                 findings["offsets_reused"] = _rerun_in(sub_args[3:5], fn, inputs, base)
 
     return _with_inputs_check(findings, inputs, before)
+
+
+def _isolation(fn, ctx: CaseContext, base: Outputs, names) -> list[str]:
+    """The case's call with NaN in the first row of one sequence (the middle one of those with query and key
+    rows) of q (unless broadcast_q: its q is every sequence's), k, v and dout, every head, one column: every
+    other sequence's results must be bitwise those of `base`. A kernel that multiplies another sequence's rows
+    by weight 0 (a key block read past its sequence's end and masked, a packed tile's other slots) turns 0·NaN
+    into NaN there; the fuzzer's finite values never show it. The poisoned tensors are contiguous copies (the
+    padding check's rule: the layout does not change bits)."""
+    problem, inputs = ctx.problem, ctx.inputs
+    poisonable = [b for b in range(problem.batch) if problem.q_lens[b] > 0 and problem.kv_lens[b] > 0]
+    if problem.batch < 2 or not poisonable:
+        return []
+    b = poisonable[len(poisonable) // 2]
+    generator = torch.Generator().manual_seed(ctx.case.seed)
+    column = int(torch.randint(min(problem.head_dim, problem.head_dim_v), (1,), generator=generator))
+
+    def poisoned(x: torch.Tensor, row: int) -> torch.Tensor:
+        x = x.contiguous().clone()
+        x[row, :, column] = float("nan")
+        return x
+
+    kv_row = int(problem.kv_offsets_host[b])
+    q = inputs.q if problem.broadcast_q else poisoned(inputs.q, int(problem.q_offsets_host[b]))
+    got = run(fn, q, poisoned(inputs.k, kv_row), poisoned(inputs.v, kv_row), inputs.q_offsets, inputs.kv_offsets,
+              poisoned(inputs.dout, int(problem.out_offsets_host[b])), inputs.kwargs, backward=True)
+    others = [i for i in range(problem.batch) if i != b]
+    out_parts = [torch.arange(int(problem.out_offsets_host[i]), int(problem.out_offsets_host[i + 1])) for i in others]
+    kv_parts = [torch.arange(int(problem.kv_offsets_host[i]), int(problem.kv_offsets_host[i + 1])) for i in others]
+    out_rows, kv_rows = _cat_rows(out_parts).to(got.out.device), _cat_rows(kv_parts).to(got.out.device)
+    rows_of = {"out": (out_rows, 0), "lse": (out_rows, 1), "dk": (kv_rows, 0), "dv": (kv_rows, 0)}
+    if not problem.broadcast_q:  # broadcast_q's dq is every sequence's sum: not compared
+        rows_of["dq"] = (out_rows, 0)
+    others_only = Outputs(**{name: t.index_select(rows_of[name][1], rows_of[name][0]) if name in rows_of else t
+                             for name, t in vars(got).items()})
+    problems = compare_sub_batch(ctx, base, others_only, others, out_parts, kv_parts, names)
+    return [f"NaN in sequence {b}'s first row changed {problem}" for problem in problems]
 
 
 def _rerun_in(buffers, fn, inputs, base: Outputs) -> list[str]:

@@ -159,6 +159,10 @@ SMALL_BLOCKS = BackendConfig(
     packed_bwd=KernelConfig(32, 32, 4, (1,)),
 )
 
+# The known gap the `isolation` invariant finds (tests/test_triton_backend.py pins it with a strict xfail).
+ISOLATION_GAP = ("known and open: a packed tile multiplies its slots' rows with one another's at weight 0 (P, dS and "
+                 "the transposed products), so 0·NaN = NaN reaches the other sequences of the tile")
+
 _config_override: BackendConfig | None = None
 _schedule_override: int | None = None
 _programs_override: int | None = None
@@ -572,13 +576,16 @@ class TritonBackend:
                 f"{INTERPRETER_WORK_LIMIT:.0e} per case; GPU profiles run it")
 
     def invariance_waivers(self, device: torch.device) -> dict[str, str]:
-        """Under the interpreter, repeated runs cannot differ by scheduling: it runs the programs one after
-        another in a fixed order, so atomics never race (unwritten or uninitialised memory still shows up in
-        the NaN-filled run of the `written` check). On a GPU every invariant applies."""
+        """isolation (open): the packed kernels multiply a tile's slots with one another's at weight 0, so a
+        NaN inside one tiny sequence reaches its tile's other sequences (README: the op's known gap). Under the
+        interpreter, repeated runs cannot differ by scheduling: it runs the programs one after another in a
+        fixed order, so atomics never race (unwritten or uninitialised memory still shows up in the NaN-filled
+        run of the `written` check); on a GPU the run-to-run checks apply."""
+        waivers = {"isolation": ISOLATION_GAP}
         if torch.device(device).type == "cpu":
-            return {"run_to_run": "the Triton interpreter runs programs one at a time in a fixed order "
-                                  "(nothing to race); run-to-run checks run on a GPU"}
-        return {}
+            waivers["run_to_run"] = ("the Triton interpreter runs programs one at a time in a fixed order "
+                                     "(nothing to race); run-to-run checks run on a GPU")
+        return waivers
 
     def forward(self, q, k, v, problem: Problem, fwd_pass=None):
         with _on_device(q.device):
