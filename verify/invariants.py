@@ -220,7 +220,7 @@ def _isolation(fn, ctx: CaseContext, base: Outputs, names) -> list[str]:
     column = int(torch.randint(min(problem.head_dim, problem.head_dim_v), (1,), generator=generator))
 
     def poisoned(x: torch.Tensor, row: int) -> torch.Tensor:
-        x = x.contiguous().clone()
+        x = x.clone(memory_format=torch.contiguous_format)
         x[row, :, column] = float("nan")
         return x
 
