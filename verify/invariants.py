@@ -38,11 +38,7 @@ def sub_batch(ctx: CaseContext, order: list[int]):
     """The case's inputs restricted to sequences `order` (in that order), and per sequence the
     (old rows, new rows) of its q/out and kv rows."""
     problem, inputs = ctx.problem, ctx.inputs
-    q_parts, out_parts, kv_parts = [], [], []
-    for b in order:
-        q_parts.append(torch.arange(int(problem.q_offsets_host[b]), int(problem.q_offsets_host[b + 1])))
-        out_parts.append(torch.arange(int(problem.out_offsets_host[b]), int(problem.out_offsets_host[b + 1])))
-        kv_parts.append(torch.arange(int(problem.kv_offsets_host[b]), int(problem.kv_offsets_host[b + 1])))
+    q_parts, out_parts, kv_parts = _sequence_rows(problem, order)
 
     def offsets(parts):
         return _offsets_of(torch.tensor([p.numel() for p in parts], dtype=torch.int64))
@@ -57,6 +53,23 @@ def sub_batch(ctx: CaseContext, order: list[int]):
     return (q, k, v, q_off, kv_off, dout), out_parts, kv_parts
 
 
+def _sequence_rows(problem: Problem, order: list[int]):
+    """Per sequence of `order`, its rows of q, of out (and dout) and of k/v: three lists of index tensors."""
+    def rows(offsets):
+        return [torch.arange(int(offsets[b]), int(offsets[b + 1])) for b in order]
+
+    return rows(problem.q_offsets_host), rows(problem.out_offsets_host), rows(problem.kv_offsets_host)
+
+
+def _tensor_rows(problem: Problem, out_parts, kv_parts) -> dict:
+    """Which per-sequence rows (and along which axis) each result tensor holds: {name: (parts, axis)}; dq only
+    without broadcast_q, whose dq is every sequence's sum."""
+    per_tensor = {"out": (out_parts, 0), "lse": (out_parts, 1), "dk": (kv_parts, 0), "dv": (kv_parts, 0)}
+    if not problem.broadcast_q:
+        per_tensor["dq"] = (out_parts, 0)  # q rows and out rows coincide without broadcast
+    return per_tensor
+
+
 def _offsets_of(lengths: torch.Tensor) -> torch.Tensor:
     """int32 offsets [B+1] of int64 sequence lengths [B] (on their device)."""
     return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
@@ -69,11 +82,8 @@ def compare_sub_batch(ctx: CaseContext, whole: Outputs, part: Outputs, order, ou
 
     One gather and one comparison per tensor: a per-sequence loop costs a few device synchronisations per
     sequence, which on cases with thousands of sequences made this the slowest check of a premerge run."""
-    per_tensor = {"out": (out_parts, 0), "lse": (out_parts, 1), "dk": (kv_parts, 0), "dv": (kv_parts, 0)}
-    if not ctx.problem.broadcast_q:
-        per_tensor["dq"] = (out_parts, 0)  # q rows and out rows coincide without broadcast
     problems = []
-    for name, (parts, axis) in per_tensor.items():
+    for name, (parts, axis) in _tensor_rows(ctx.problem, out_parts, kv_parts).items():
         if name not in names:
             continue
         whole_t, part_t = getattr(whole, name), getattr(part, name)
@@ -229,14 +239,10 @@ def _isolation(fn, ctx: CaseContext, base: Outputs, names) -> list[str]:
     got = run(fn, q, poisoned(inputs.k, kv_row), poisoned(inputs.v, kv_row), inputs.q_offsets, inputs.kv_offsets,
               poisoned(inputs.dout, int(problem.out_offsets_host[b])), inputs.kwargs, backward=True)
     others = [i for i in range(problem.batch) if i != b]
-    out_parts = [torch.arange(int(problem.out_offsets_host[i]), int(problem.out_offsets_host[i + 1])) for i in others]
-    kv_parts = [torch.arange(int(problem.kv_offsets_host[i]), int(problem.kv_offsets_host[i + 1])) for i in others]
-    out_rows, kv_rows = _cat_rows(out_parts).to(got.out.device), _cat_rows(kv_parts).to(got.out.device)
-    rows_of = {"out": (out_rows, 0), "lse": (out_rows, 1), "dk": (kv_rows, 0), "dv": (kv_rows, 0)}
-    if not problem.broadcast_q:  # broadcast_q's dq is every sequence's sum: not compared
-        rows_of["dq"] = (out_rows, 0)
-    others_only = Outputs(**{name: t.index_select(rows_of[name][1], rows_of[name][0]) if name in rows_of else t
-                             for name, t in vars(got).items()})
+    _, out_parts, kv_parts = _sequence_rows(problem, others)
+    rows = _tensor_rows(problem, out_parts, kv_parts)
+    others_only = Outputs(**{name: t.index_select(rows[name][1], _cat_rows(rows[name][0]).to(t.device))
+                             if name in rows else t for name, t in vars(got).items()})
     problems = compare_sub_batch(ctx, base, others_only, others, out_parts, kv_parts, names)
     return [f"NaN in sequence {b}'s first row changed {problem}" for problem in problems]
 
