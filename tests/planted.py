@@ -150,14 +150,17 @@ class Emulator:
         if self.bug == "kv_mask_off_by_one":
             return kv_len + 1
         if self.bug == "neighbour_leak":
-            return self._loaded_len(kv_len)
+            return self._whole_blocks(kv_len)
         return kv_len
 
     def _loaded_len(self, kv_len: int) -> int:
         """How many key rows from the sequence's start are read: whole key blocks where a bug reads past its end."""
-        if self.bug in ("neighbour_leak", "masked_neighbour_rows"):
-            return -(-kv_len // self.active["BLOCK_N"]) * self.active["BLOCK_N"]
+        if self.bug == "masked_neighbour_rows":
+            return self._whole_blocks(kv_len)
         return self._visible_len(kv_len)
+
+    def _whole_blocks(self, kv_len: int) -> int:
+        return -(-kv_len // self.active["BLOCK_N"]) * self.active["BLOCK_N"]
 
     def _keys(self, k, v, problem: Problem, b: int, kv_len: int, first_sequence: bool = False):
         """Key/value rows of sequence b (or of sequence 0, for dq_first_segment_only) as [Hq, L, D] fp32 over

@@ -37,7 +37,8 @@ def test_candidates_start_with_the_shipped_config_and_stay_in_bounds(role, block
             assert c.resident in ((1, 2, 4) if role.startswith("packed") else (1, 2)), c
         else:  # a register cap only where it lets more 4-warp packed programs share an SM's 65,536 registers
             assert role.startswith("packed") and c.num_warps == 4 and c.block_m <= 64 and c.stages[0] <= 2, c
-            assert c.resident * 32 * c.num_warps * c.max_registers <= 65536 < (c.resident + 1) * 128 * c.max_registers
+            threads = 32 * c.num_warps
+            assert c.resident * threads * c.max_registers <= 65536 < (c.resident + 1) * threads * c.max_registers
         # several programs per SM only where several fit: 4 warps on <= 64 rows, or an 8-warp packed tile
         assert c.resident == 1 or (c.block_m <= 64 and (c.num_warps == 4 or role.startswith("packed"))), c
         if role.startswith("packed"):
