@@ -327,6 +327,95 @@ def packed_visible(slot, loc, q_len, kv_len, row_ok, key_ok, window, HAS_WINDOW:
     return same & visible(loc[:, None], loc[None, :], q_len[:, None], kv_len[:, None], window, HAS_WINDOW, CAUSAL)
 
 
+@triton.jit
+def slot_mma_acc(a, b, acc, slot, SLOTS: tl.constexpr, ISOLATE: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc + a @ b in a packed tile, whose result rows, a's columns and b's rows all follow the tile's one slot
+    map `slot`. ISOLATE sums each row over its own slot only, one product per slot with the other slots'
+    operands zeroed: the same bits where the other slots' terms are exact zeros, and no 0·NaN from another
+    sequence where they are not (`nonfinite_rows` says when a tile needs it)."""
+    if ISOLATE:
+        c = acc
+        for s in range(SLOTS):
+            own = slot == s
+            # c's rows of slot s still hold acc's: only this iteration writes them.
+            c = tl.where(own[:, None],
+                         mma_acc(tl.where(own[None, :], a, 0.0), tl.where(own[:, None], b, 0.0), c, INTERPRET), c)
+    else:
+        c = mma_acc(a, b, acc, INTERPRET)
+    return c
+
+
+@triton.jit
+def nonfinite_rows(x):
+    """Which rows of x hold a NaN or an infinity (through the row sum, which any of them makes non-finite; a
+    finite row whose sum overflows counts too, which only costs the isolated recompute)."""
+    return ~(tl.abs(tl.sum(x, 1)) < float("inf"))
+
+
+@triton.jit
+def _fwd_packed_head(
+    Q, K, V, Out, Lse, RowMax, RowSum, head, kv_head, slot, loc, q_start, out_start, kv_start, row_ok, key_ok,
+    seen, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, stat_h,
+    scale_log2, scale_abs, DT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_DV: tl.constexpr, SLOTS: tl.constexpr,
+    MASK_D: tl.constexpr, MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, ISOLATE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """One query head of a packed tile: stores out, lse, m and l; returns the rows whose output is not finite."""
+    # Per-row scalar bases in int64 (gathered rows), int32 offsets along the head dim.
+    k = load_tile(row_base(K, kv_start + loc, sk_t, kv_head, sk_h)[:, None] + (offs_d * sk_d)[None, :],
+                  key_ok, d_ok, True, MASK_D)
+    v = load_tile(row_base(V, kv_start + loc, sv_t, kv_head, sv_h)[:, None] + (offs_dv * sv_d)[None, :],
+                  key_ok, dv_ok, True, MASK_DV)
+    q = load_tile(row_base(Q, q_start + loc, sq_t, head, sq_h)[:, None] + (offs_d * sq_d)[None, :],
+                  row_ok, d_ok, True, MASK_D)
+    s = raw_scores(mma(q, tl.trans(k), INTERPRET), NEG_SCALE)
+    s = tl.where(seen, s, float("-inf"))
+    p, m = block_softmax(s, scale_log2)
+    l = chunked_row_sum(p, BLOCK, BLOCK, 16)
+    acc = slot_mma_acc(rounded(p, DT, INTERPRET), v, tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32), slot, SLOTS,
+                       ISOLATE, INTERPRET)
+    out, lse = finalize(acc, m, l, scale_abs)
+    tl.store(row_base(Out, out_start + loc, so_t, head, so_h)[:, None] + offs_dv[None, :],
+             stored(out, DT, INTERPRET), mask=row_ok[:, None] & dv_ok[None, :])
+    stat = tl.cast(head, tl.int64) * stat_h + out_start + loc
+    tl.store(Lse + stat, lse, mask=row_ok)
+    tl.store(RowMax + stat, m, mask=row_ok)
+    tl.store(RowSum + stat, l, mask=row_ok)
+    return nonfinite_rows(out)
+
+
+@triton.jit
+def flag_tile(flagged, t):
+    """Lists packed tile t for the redo kernel: flagged[0] counts the entries (zeroed by the host for each
+    launch), flagged[1 + i] is entry i."""
+    tl.store(flagged + 1 + tl.atomic_add(flagged, 1), t)
+
+
+@triton.jit
+def _fwd_packed_tile(
+    Q, K, V, Out, Lse, RowMax, RowSum, pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets,
+    sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, stat_h, scale_log2, scale_abs, window,
+    n_heads, group, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr, SLOTS: tl.constexpr, NEG_SCALE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, ISOLATE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Every query head of packed tile t; returns whether any output row is not finite."""
+    DT: tl.constexpr = Out.dtype.element_ty
+    offs_d, offs_dv, d_ok, dv_ok = head_dim_lanes(HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
+    slot, loc, q_start, out_start, q_len, kv_start, kv_len, row_ok, key_ok = packed_layout(
+        pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets, BLOCK, SLOTS)
+    seen = packed_visible(slot, loc, q_len, kv_len, row_ok, key_ok, window, HAS_WINDOW, CAUSAL)
+    bad = tl.zeros([BLOCK], dtype=tl.int32)
+    for head in range(n_heads):
+        head_bad = _fwd_packed_head(
+            Q, K, V, Out, Lse, RowMax, RowSum, head, head // group, slot, loc, q_start, out_start, kv_start,
+            row_ok, key_ok, seen, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h,
+            sv_d, so_t, so_h, stat_h, scale_log2, scale_abs, DT, BLOCK, BLOCK_DV, SLOTS, HEAD_DIM != BLOCK_D,
+            HEAD_DIM_V != BLOCK_DV, NEG_SCALE, ISOLATE, INTERPRET)
+        bad = tl.where(head_bad, 1, bad)
+    return tl.max(bad, 0)
+
+
 @kernel
 def _fwd_packed_kernel(
     Q, K, V, Out, Lse, RowMax, RowSum,
@@ -342,42 +431,49 @@ def _fwd_packed_kernel(
     """Persistent forward over packed tiles (a group of tiny sequences), every query head in turn.
 
     The head loop is the kernel's inner loop, so num_stages pipelines it: the next head's q, k and v
-    loads overlap this head's arithmetic (the workload is memory-bound).
+    loads overlap this head's arithmetic (the workload is memory-bound). P·V sums each row over the whole
+    tile, the other slots at weight 0, so a NaN or infinity in one sequence's v would reach its neighbours
+    (0·NaN). A tile with any non-finite output is listed (`flag_tile`, in counter[1:]) for
+    `_fwd_packed_redo_kernel`, which does it again with the products isolated per slot (`slot_mma_acc`); that
+    leaves the finite rows' bits as they were.
     """
-    DT: tl.constexpr = Out.dtype.element_ty
-    MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
-    MASK_DV: tl.constexpr = HEAD_DIM_V != BLOCK_DV
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    offs_d, offs_dv, d_ok, dv_ok = head_dim_lanes(HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
-
     t = pid
     r = pid * 0
     while t < n_tiles:
         t_next = next_tile(r, pid, nprog, n_tiles, counter, SCHEDULE)
-        slot, loc, q_start, out_start, q_len, kv_start, kv_len, row_ok, key_ok = packed_layout(
-            pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets, BLOCK, SLOTS)
-        seen = packed_visible(slot, loc, q_len, kv_len, row_ok, key_ok, window, HAS_WINDOW, CAUSAL)
-        for head in range(n_heads):
-            kv_head = head // group
-            # Per-row scalar bases in int64 (gathered rows), int32 offsets along the head dim.
-            k = load_tile(row_base(K, kv_start + loc, sk_t, kv_head, sk_h)[:, None] + (offs_d * sk_d)[None, :],
-                          key_ok, d_ok, True, MASK_D)
-            v = load_tile(row_base(V, kv_start + loc, sv_t, kv_head, sv_h)[:, None] + (offs_dv * sv_d)[None, :],
-                          key_ok, dv_ok, True, MASK_DV)
-            q = load_tile(row_base(Q, q_start + loc, sq_t, head, sq_h)[:, None] + (offs_d * sq_d)[None, :],
-                          row_ok, d_ok, True, MASK_D)
-            s = raw_scores(mma(q, tl.trans(k), INTERPRET), NEG_SCALE)
-            s = tl.where(seen, s, float("-inf"))
-            p, m = block_softmax(s, scale_log2)
-            l = chunked_row_sum(p, BLOCK, BLOCK, 16)
-            acc = mma(rounded(p, DT, INTERPRET), v, INTERPRET)
-            out, lse = finalize(acc, m, l, scale_abs)
-            tl.store(row_base(Out, out_start + loc, so_t, head, so_h)[:, None] + offs_dv[None, :],
-                     stored(out, DT, INTERPRET), mask=row_ok[:, None] & dv_ok[None, :])
-            stat = tl.cast(head, tl.int64) * stat_h + out_start + loc
-            tl.store(Lse + stat, lse, mask=row_ok)
-            tl.store(RowMax + stat, m, mask=row_ok)
-            tl.store(RowSum + stat, l, mask=row_ok)
+        if _fwd_packed_tile(
+                Q, K, V, Out, Lse, RowMax, RowSum, pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets,
+                sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, stat_h, scale_log2, scale_abs,
+                window, n_heads, group, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK, SLOTS, NEG_SCALE,
+                HAS_WINDOW, CAUSAL, False, INTERPRET) > 0:
+            flag_tile(counter + 1, t)
         t = t_next
         r += 1
+
+
+@kernel
+def _fwd_packed_redo_kernel(
+    Q, K, V, Out, Lse, RowMax, RowSum,
+    pack_seqs, pack_shift, n_tiles, counter,
+    q_offsets, out_offsets, kv_offsets,
+    sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, stat_h,
+    scale_log2, scale_abs, window, n_heads, group, profile,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK: tl.constexpr, SLOTS: tl.constexpr,
+    NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+    SCHEDULE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Does the tiles `_fwd_packed_kernel` listed in counter[1:] (`flag_tile`) again with the products isolated
+    per slot: the rare path, a kernel of its own so that its registers (a product per slot) stay out of the
+    main kernel's loop (inlined there they spilled into it; a non-inlined function made ptxas serialise every
+    wgmma of the caller). SCHEDULE is unused: the tiles are dealt round-robin."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for i in range(pid, tl.load(counter + 1), nprog):
+        _fwd_packed_tile(
+            Q, K, V, Out, Lse, RowMax, RowSum, pack_seqs, pack_shift, tl.load(counter + 2 + i), q_offsets,
+            out_offsets, kv_offsets, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, stat_h,
+            scale_log2, scale_abs, window, n_heads, group, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK, SLOTS,
+            NEG_SCALE, HAS_WINDOW, CAUSAL, True, INTERPRET)
