@@ -66,12 +66,16 @@ def online_update(m_i, l_i, r, scale_log2):
 
 
 @triton.jit
+def block_probs(r, m, scale_log2):
+    """Unnormalised probabilities of rows held whole in one block, given their raw row max m."""
+    return tl.exp2((r - safe_max(m)[:, None]) * scale_log2)
+
+
+@triton.jit
 def block_softmax(r, scale_log2):
     """Softmax of rows held whole in one block (packed tiles): unnormalised p and the raw row max m."""
     m = tl.max(r, 1)
-    m_safe = safe_max(m)
-    p = tl.exp2((r - m_safe[:, None]) * scale_log2)
-    return p, m
+    return block_probs(r, m, scale_log2), m
 
 
 @triton.jit

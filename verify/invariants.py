@@ -139,7 +139,7 @@ def _unwritten(outputs: Outputs, ctx: CaseContext) -> list[str]:
 # reduce), so the padding and batch checks compare dq between deterministic=True runs instead (the contract
 # promises a reproducible dq only there; out, lse, dk and dv are still compared in the default mode).
 WAIVABLE = {"run_to_run": ("repeatable", "deterministic"), "batch": ("padding", "batch_permuted", "batch_alone"),
-            "dq_order": (), "isolation": ("isolation",)}
+            "dq_order": (), "isolation": ("isolation",), "isolation_grad": ("isolation_grad",)}
 
 
 def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
@@ -191,8 +191,9 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
         findings["padding"] += _differences(first, run(fn, *padded_args, padded.kwargs, backward=True,
                                                        deterministic=True), ("dq",))
 
-    if "isolation" not in waived:
-        findings["isolation"] = _isolation(fn, ctx, base, names)
+    if "isolation" not in waived or "isolation_grad" not in waived:
+        found = dict(zip(("isolation", "isolation_grad"), _isolation(fn, ctx, base, names), strict=True))
+        findings.update({group: problems for group, problems in found.items() if group not in waived})
 
     findings["batch_permuted"], findings["batch_alone"], findings["offsets_reused"] = [], [], []
     # A sub-batch is called without max_*_len, so a kernel whose arithmetic depends on them shows up too.
@@ -214,17 +215,18 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
     return _with_inputs_check(findings, inputs, before)
 
 
-def _isolation(fn, ctx: CaseContext, base: Outputs, names) -> list[str]:
+def _isolation(fn, ctx: CaseContext, base: Outputs, names) -> tuple[list[str], list[str]]:
     """The case's call with NaN in the first row of one sequence (the middle one of those with query and key
     rows) of q (unless broadcast_q: its q is every sequence's), k, v and dout, every head, one column: every
     other sequence's results must be bitwise those of `base`. A kernel that multiplies another sequence's rows
     by weight 0 (a key block read past its sequence's end and masked, a packed tile's other slots) turns 0·NaN
     into NaN there; the fuzzer's finite values never show it. The poisoned tensors are contiguous copies (the
-    padding check's rule: the layout does not change bits)."""
+    padding check's rule: the layout does not change bits). Returns the problems of the forward's tensors (out,
+    lse: `isolation`) and of the gradients (dq, dk, dv: `isolation_grad`), waivable apart."""
     problem, inputs = ctx.problem, ctx.inputs
     poisonable = [b for b in range(problem.batch) if problem.q_lens[b] > 0 and problem.kv_lens[b] > 0]
     if problem.batch < 2 or not poisonable:
-        return []
+        return [], []
     b = poisonable[len(poisonable) // 2]
     generator = torch.Generator().manual_seed(ctx.case.seed)
     column = int(torch.randint(min(problem.head_dim, problem.head_dim_v), (1,), generator=generator))
@@ -243,8 +245,12 @@ def _isolation(fn, ctx: CaseContext, base: Outputs, names) -> list[str]:
     rows = _tensor_rows(problem, out_parts, kv_parts)
     others_only = Outputs(**{name: t.index_select(rows[name][1], _cat_rows(rows[name][0]).to(t.device))
                              if name in rows else t for name, t in vars(got).items()})
-    problems = compare_sub_batch(ctx, base, others_only, others, out_parts, kv_parts, names)
-    return [f"NaN in sequence {b}'s first row changed {problem}" for problem in problems]
+    found = []
+    for part in (("out", "lse"), ("dq", "dk", "dv")):
+        problems = compare_sub_batch(ctx, base, others_only, others, out_parts, kv_parts,
+                                     [n for n in names if n in part])
+        found.append([f"NaN in sequence {b}'s first row changed {problem}" for problem in problems])
+    return found[0], found[1]
 
 
 def _rerun_in(buffers, fn, inputs, base: Outputs) -> list[str]:

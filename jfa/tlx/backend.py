@@ -443,12 +443,17 @@ class TlxBackend:
 
     def invariance_waivers(self, device: torch.device) -> dict[str, str]:
         """dq_order: without deterministic=True the TLX dK/dV pass adds dq by TMA reduce, in no fixed order.
-        isolation (open): blocks that run past their sequence's end read the next sequence's rows by TMA (no
-        per-sequence bound) and weigh them 0, so a NaN there becomes 0·NaN = NaN (README: the op's known gap)."""
+        isolation, isolation_grad (open): blocks that run past their sequence's end read the next sequence's rows
+        by TMA (no per-sequence bound) and weigh them 0, so a NaN there becomes 0·NaN = NaN; the backward's packed
+        tiles, the Triton backend's, have the gap `jfa.triton.backend.ISOLATION_GRAD_GAP` names (README: the op's
+        known gap)."""
+        from jfa.triton.backend import ISOLATION_GRAD_GAP
+
+        tma = ("known and open: TLX blocks that run past their sequence's end read the next sequence's rows (TMA has "
+               "no per-sequence bound) at weight 0, and 0·NaN = NaN")
         return {"dq_order": "deterministic=False adds dq by TMA reduce in no fixed order: dq's padding and batch "
                             "checks compare deterministic=True calls",
-                "isolation": "known and open: TLX blocks that run past their sequence's end read the next "
-                             "sequence's rows (TMA has no per-sequence bound) at weight 0, and 0·NaN = NaN"}
+                "isolation": tma, "isolation_grad": f"{tma}; and {ISOLATION_GRAD_GAP}"}
 
     def config(self, problem: Problem) -> dict:
         """Which path a call takes and why; for the TLX path its kernel config and tile counts."""

@@ -55,21 +55,18 @@ from jfa.softmax import (
     unpack_row_stats,
 )
 from jfa.triton.forward import (
-    flag_tile,
     head_dim_lanes,
     kernel,
     load_tile,
     mma,
     mma_acc,
     next_tile,
-    nonfinite_rows,
     packed_layout,
     packed_visible,
     query_tile,
     rounded,
     row_base,
     sequence_bounds,
-    slot_mma_acc,
     stored,
     tile_entry,
     tile_offsets,
@@ -429,85 +426,6 @@ def _bwd_short_kernel(
 # Packed tiles: the whole backward in one program.
 
 
-@triton.jit
-def _bwd_packed_head(
-    Q, K, V, Out, DOut, DQ, DK, DV, RowMax, RowSum, dk, dv, head, kv_head, last, slot, loc, q_start, out_start,
-    kv_start, row_ok, key_ok, seen, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h,
-    sv_d, so_t, so_h, sdo_t, sdo_h, sdo_d, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, scale_log2, sm_scale,
-    DT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, SLOTS: tl.constexpr, MASK_D: tl.constexpr,
-    MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, DQ_PARTIAL: tl.constexpr, ISOLATE: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    """One query head of a packed tile: stores dq, adds to the key/value head's dk and dv and stores them when
-    `last` (a vector: the interpreter rejects scalar masks) says this is the group's last query head.
-    Returns (dk, dv, the rows whose dq, dk or dv is not finite)."""
-    k = load_tile(row_base(K, kv_start + loc, sk_t, kv_head, sk_h)[:, None] + (offs_d * sk_d)[None, :],
-                  key_ok, d_ok, True, MASK_D)
-    v = load_tile(row_base(V, kv_start + loc, sv_t, kv_head, sv_h)[:, None] + (offs_dv * sv_d)[None, :],
-                  key_ok, dv_ok, True, MASK_DV)
-    q = load_tile(row_base(Q, q_start + loc, sq_t, head, sq_h)[:, None] + (offs_d * sq_d)[None, :],
-                  row_ok, d_ok, True, MASK_D)
-    do = load_tile(row_base(DOut, out_start + loc, sdo_t, head, sdo_h)[:, None]
-                   + (offs_dv * sdo_d)[None, :], row_ok, dv_ok, True, MASK_DV)
-    o = load_tile(row_base(Out, out_start + loc, so_t, head, so_h)[:, None] + offs_dv[None, :],
-                  row_ok, dv_ok, True, MASK_DV)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    stat = tl.cast(head, tl.int64) * stat_h + out_start + loc
-    m_b, inv_b = backward_row_stats(tl.load(RowMax + stat, mask=row_ok, other=0.0),
-                                    tl.load(RowSum + stat, mask=row_ok, other=0.0))
-    s = raw_scores(mma(q, tl.trans(k), INTERPRET), NEG_SCALE)
-    s = tl.where(seen, s, float("-inf"))
-    p = shifted_exp2((s - m_b[:, None]) * scale_log2) * inv_b[:, None]
-    dp = mma(do, tl.trans(v), INTERPRET)
-    ds = rounded(p * (dp - delta[:, None]), DT, INTERPRET)
-    dq = slot_mma_acc(ds, k, tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32), slot, SLOTS, ISOLATE, INTERPRET)
-    dq = dq * sm_scale
-    mask = row_ok[:, None] & d_ok[None, :]
-    if DQ_PARTIAL:
-        tl.store(row_base(DQ, out_start + loc, sdq_t, head, sdq_h)[:, None] + offs_d[None, :], dq, mask=mask)
-    else:
-        tl.store(row_base(DQ, q_start + loc, sdq_t, head, sdq_h)[:, None] + offs_d[None, :],
-                 stored(dq, DT, INTERPRET), mask=mask)
-    dv = slot_mma_acc(tl.trans(rounded(p, DT, INTERPRET)), do, dv, slot, SLOTS, ISOLATE, INTERPRET)
-    dk = slot_mma_acc(tl.trans(ds), q, dk, slot, SLOTS, ISOLATE, INTERPRET)
-    tl.store(row_base(DK, kv_start + loc, sdk_t, kv_head, sdk_h)[:, None] + offs_d[None, :],
-             stored(dk * sm_scale, DT, INTERPRET), mask=(key_ok & last)[:, None] & d_ok[None, :])
-    tl.store(row_base(DV, kv_start + loc, sdv_t, kv_head, sdv_h)[:, None] + offs_dv[None, :],
-             stored(dv, DT, INTERPRET), mask=(key_ok & last)[:, None] & dv_ok[None, :])
-    return tl.where(last[:, None], 0.0, dk), tl.where(last[:, None], 0.0, dv), nonfinite_rows(dq), dk, dv
-
-
-@triton.jit
-def _bwd_packed_tile(
-    Q, K, V, Out, DOut, DQ, DK, DV, RowMax, RowSum, pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets,
-    sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, sdo_t, sdo_h, sdo_d,
-    sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, scale_log2, sm_scale, window, n_heads, group,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK: tl.constexpr, SLOTS: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    CAUSAL: tl.constexpr, DQ_PARTIAL: tl.constexpr, ISOLATE: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """Every query head of packed tile t; returns whether any dq, dk or dv row is not finite."""
-    DT: tl.constexpr = Q.dtype.element_ty
-    offs_d, offs_dv, d_ok, dv_ok = head_dim_lanes(HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
-    slot, loc, q_start, out_start, q_len, kv_start, kv_len, row_ok, key_ok = packed_layout(
-        pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets, BLOCK, SLOTS)
-    seen = packed_visible(slot, loc, q_len, kv_len, row_ok, key_ok, window, HAS_WINDOW, CAUSAL)
-    dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
-    bad = tl.zeros([BLOCK], dtype=tl.int32)
-    for head in range(n_heads):
-        dk, dv, head_bad, dk_head, dv_head = _bwd_packed_head(
-            Q, K, V, Out, DOut, DQ, DK, DV, RowMax, RowSum, dk, dv, head, head // group,
-            (loc * 0 + head % group) == group - 1, slot, loc, q_start, out_start, kv_start, row_ok, key_ok, seen,
-            offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, sdo_t,
-            sdo_h, sdo_d, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, scale_log2, sm_scale, DT, BLOCK, BLOCK_D,
-            SLOTS, HEAD_DIM != BLOCK_D, HEAD_DIM_V != BLOCK_DV, NEG_SCALE, DQ_PARTIAL, ISOLATE, INTERPRET)
-        bad = tl.where(head_bad, 1, bad)
-        if head % group == group - 1:
-            bad = tl.where(nonfinite_rows(dk_head) | nonfinite_rows(dv_head), 1, bad)
-    return tl.max(bad, 0)
-
-
 @kernel
 def _bwd_packed_kernel(
     Q, K, V, Out, DOut, DQ, DK, DV, RowMax, RowSum,
@@ -522,52 +440,64 @@ def _bwd_packed_kernel(
     SCHEDULE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """dq, dk, dv of packed tiles (a group of tiny sequences), every query head in turn (a pipelined
-    loop); dk and dv add up over the consecutive query heads of a group and are written after its last.
-    dS·K, Pᵀ·dO and dSᵀ·Q sum over the whole tile, the other slots at weight 0: a tile with any non-finite
-    gradient is listed for `_bwd_packed_redo_kernel`, which does it again isolated, as in the forward."""
+    loop); dk and dv add up over the consecutive query heads of a group and are written after its last."""
+    DT: tl.constexpr = Q.dtype.element_ty
+    MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
+    MASK_DV: tl.constexpr = HEAD_DIM_V != BLOCK_DV
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    offs_d, offs_dv, d_ok, dv_ok = head_dim_lanes(HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
+
     t = pid
     r = pid * 0
     while t < n_tiles:
         t_next = next_tile(r, pid, nprog, n_tiles, counter, SCHEDULE)
-        if _bwd_packed_tile(
-                Q, K, V, Out, DOut, DQ, DK, DV, RowMax, RowSum, pack_seqs, pack_shift, t, q_offsets, out_offsets,
-                kv_offsets, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, sdo_t, sdo_h, sdo_d,
-                sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, scale_log2, sm_scale, window, n_heads, group,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK, SLOTS, NEG_SCALE, HAS_WINDOW, CAUSAL, DQ_PARTIAL,
-                False, INTERPRET) > 0:
-            flag_tile(counter + 1, t)
+        slot, loc, q_start, out_start, q_len, kv_start, kv_len, row_ok, key_ok = packed_layout(
+            pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets, BLOCK, SLOTS)
+        seen = packed_visible(slot, loc, q_len, kv_len, row_ok, key_ok, window, HAS_WINDOW, CAUSAL)
+        dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
+        for head in range(n_heads):
+            kv_head = head // group
+            k = load_tile(row_base(K, kv_start + loc, sk_t, kv_head, sk_h)[:, None] + (offs_d * sk_d)[None, :],
+                          key_ok, d_ok, True, MASK_D)
+            v = load_tile(row_base(V, kv_start + loc, sv_t, kv_head, sv_h)[:, None] + (offs_dv * sv_d)[None, :],
+                          key_ok, dv_ok, True, MASK_DV)
+            q = load_tile(row_base(Q, q_start + loc, sq_t, head, sq_h)[:, None] + (offs_d * sq_d)[None, :],
+                          row_ok, d_ok, True, MASK_D)
+            do = load_tile(row_base(DOut, out_start + loc, sdo_t, head, sdo_h)[:, None]
+                           + (offs_dv * sdo_d)[None, :], row_ok, dv_ok, True, MASK_DV)
+            o = load_tile(row_base(Out, out_start + loc, so_t, head, so_h)[:, None] + offs_dv[None, :],
+                          row_ok, dv_ok, True, MASK_DV)
+            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+            stat = tl.cast(head, tl.int64) * stat_h + out_start + loc
+            m_b, inv_b = backward_row_stats(tl.load(RowMax + stat, mask=row_ok, other=0.0),
+                                            tl.load(RowSum + stat, mask=row_ok, other=0.0))
+            s = raw_scores(mma(q, tl.trans(k), INTERPRET), NEG_SCALE)
+            s = tl.where(seen, s, float("-inf"))
+            p = shifted_exp2((s - m_b[:, None]) * scale_log2) * inv_b[:, None]
+            dp = mma(do, tl.trans(v), INTERPRET)
+            ds = rounded(p * (dp - delta[:, None]), DT, INTERPRET)
+            dq = mma(ds, k, INTERPRET) * sm_scale
+            mask = row_ok[:, None] & d_ok[None, :]
+            if DQ_PARTIAL:
+                tl.store(row_base(DQ, out_start + loc, sdq_t, head, sdq_h)[:, None] + offs_d[None, :], dq,
+                         mask=mask)
+            else:
+                tl.store(row_base(DQ, q_start + loc, sdq_t, head, sdq_h)[:, None] + offs_d[None, :],
+                         stored(dq, DT, INTERPRET), mask=mask)
+            dv = mma_acc(tl.trans(rounded(p, DT, INTERPRET)), do, dv, INTERPRET)
+            dk = mma_acc(tl.trans(ds), q, dk, INTERPRET)
+            # After the group's last query head: write this key/value head's dk, dv and start over.
+            last = (loc * 0 + head % group) == group - 1  # a vector: the interpreter rejects scalar masks
+            tl.store(row_base(DK, kv_start + loc, sdk_t, kv_head, sdk_h)[:, None] + offs_d[None, :],
+                     stored(dk * sm_scale, DT, INTERPRET), mask=(key_ok & last)[:, None] & d_ok[None, :])
+            tl.store(row_base(DV, kv_start + loc, sdv_t, kv_head, sdv_h)[:, None] + offs_dv[None, :],
+                     stored(dv, DT, INTERPRET), mask=(key_ok & last)[:, None] & dv_ok[None, :])
+            dk = tl.where(last[:, None], 0.0, dk)
+            dv = tl.where(last[:, None], 0.0, dv)
         t = t_next
         r += 1
-
-
-@kernel
-def _bwd_packed_redo_kernel(
-    Q, K, V, Out, DOut, DQ, DK, DV, RowMax, RowSum,
-    pack_seqs, pack_shift, n_tiles, counter,
-    q_offsets, out_offsets, kv_offsets,
-    sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, sdo_t, sdo_h, sdo_d,
-    sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h,
-    scale_log2, sm_scale, window, n_heads, group, profile,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK: tl.constexpr, SLOTS: tl.constexpr,
-    NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, DQ_PARTIAL: tl.constexpr,
-    SCHEDULE: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """Does the tiles `_bwd_packed_kernel` listed in counter[1:] (`flag_tile`) again with the products isolated
-    per slot: the rare path, a kernel of its own so that its registers (a product per slot) stay out of the
-    main kernel's loop (inlined there they spilled into it; a non-inlined function made ptxas serialise every
-    wgmma of the caller). SCHEDULE is unused: the tiles are dealt round-robin."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    for i in range(pid, tl.load(counter + 1), nprog):
-        _bwd_packed_tile(
-            Q, K, V, Out, DOut, DQ, DK, DV, RowMax, RowSum, pack_seqs, pack_shift, tl.load(counter + 2 + i),
-            q_offsets, out_offsets, kv_offsets, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, sdo_t,
-            sdo_h, sdo_d, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, scale_log2, sm_scale, window,
-            n_heads, group, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK, SLOTS, NEG_SCALE, HAS_WINDOW,
-            CAUSAL, DQ_PARTIAL, True, INTERPRET)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -55,8 +55,8 @@ ROLE_KERNELS = {"fwd": "_fwd_kernel", "packed_fwd": "_fwd_packed_kernel", "dq": 
                 "short_bwd": "_bwd_short_kernel", "packed_bwd": "_bwd_packed_kernel"}
 _ROLE_LABELS = {"fwd": "fwd", "packed_fwd": "fwd_packed", "dq": "dq", "dkv": "dkv", "short_bwd": "bwd_short",
                 "packed_bwd": "bwd_packed"}
-# The packed roles' second kernel, launched with the same arguments right after the first.
-REDO_KERNELS = {"packed_fwd": "_fwd_packed_redo_kernel", "packed_bwd": "_bwd_packed_redo_kernel"}
+# The packed forward's second kernel, launched with the same arguments right after the first.
+REDO_KERNELS = {"packed_fwd": "_fwd_packed_redo_kernel"}
 
 
 def role_variants(role: str, kcfg, d: int, dv: int, dtype: str = "bf16", causal: bool = False,
@@ -84,7 +84,7 @@ def role_variants(role: str, kcfg, d: int, dv: int, dtype: str = "bf16", causal:
     tag = f"D{d}/{dv} {dtype} causal={int(causal)} window={int(window)}"
     cap = "" if kcfg.max_registers is None else f" m{kcfg.max_registers}"
     return [Variant(f"{name} s{stages}{cap} {tag}", kernel, pointers, constexprs, kcfg.num_warps, stages,
-                    kcfg.max_registers) for kernel, name in zip(kernels, names) for stages in kcfg.stages]
+                    kcfg.max_registers) for kernel, name in zip(kernels, names, strict=True) for stages in kcfg.stages]
 
 
 def variants(quick: bool = False, head_dims: list[tuple[int, int]] | None = None) -> list[Variant]:

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from jfa.block_info import MASK_NEVER, block_masked, kv_block_range, over_blocks
 from jfa.mask import visible
-from jfa.softmax import block_softmax, chunked_row_sum, finalize, online_update, raw_scores
+from jfa.softmax import block_probs, block_softmax, chunked_row_sum, finalize, online_update, raw_scores
 
 # Scalar arguments that change from call to call: not specialised (a value of 1 would otherwise compile a
 # separate kernel), so one compiled variant serves every batch of a given head dim, dtype and mask kind.
@@ -328,20 +328,20 @@ def packed_visible(slot, loc, q_len, kv_len, row_ok, key_ok, window, HAS_WINDOW:
 
 
 @triton.jit
-def slot_mma_acc(a, b, acc, slot, SLOTS: tl.constexpr, ISOLATE: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc + a @ b in a packed tile, whose result rows, a's columns and b's rows all follow the tile's one slot
+def slot_mma(a, b, slot, SLOTS: tl.constexpr, ISOLATE: tl.constexpr, INTERPRET: tl.constexpr):
+    """a @ b (fp32) in a packed tile, whose result rows, a's columns and b's rows all follow the tile's one slot
     map `slot`. ISOLATE sums each row over its own slot only, one product per slot with the other slots'
     operands zeroed: the same bits where the other slots' terms are exact zeros, and no 0·NaN from another
     sequence where they are not (`nonfinite_rows` says when a tile needs it)."""
     if ISOLATE:
-        c = acc
+        c = tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32)
         for s in range(SLOTS):
             own = slot == s
-            # c's rows of slot s still hold acc's: only this iteration writes them.
+            # c's rows of slot s are still 0: only this iteration writes them.
             c = tl.where(own[:, None],
                          mma_acc(tl.where(own[None, :], a, 0.0), tl.where(own[:, None], b, 0.0), c, INTERPRET), c)
     else:
-        c = mma_acc(a, b, acc, INTERPRET)
+        c = mma(a, b, INTERPRET)
     return c
 
 
@@ -356,11 +356,14 @@ def nonfinite_rows(x):
 def _fwd_packed_head(
     Q, K, V, Out, Lse, RowMax, RowSum, head, kv_head, slot, loc, q_start, out_start, kv_start, row_ok, key_ok,
     seen, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, stat_h,
-    scale_log2, scale_abs, DT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_DV: tl.constexpr, SLOTS: tl.constexpr,
+    scale_log2, scale_abs, DT: tl.constexpr, BLOCK: tl.constexpr, SLOTS: tl.constexpr,
     MASK_D: tl.constexpr, MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, ISOLATE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """One query head of a packed tile: stores out, lse, m and l; returns the rows whose output is not finite."""
+    """One query head of a packed tile: stores out, lse, m and l; returns the rows whose output is not finite.
+    ISOLATE (the redo kernel) stores out only, from the m and l the first kernel stored (they involve no other
+    slot): a row sum recomputed in another kernel may add in another order (the order follows the layout the
+    compiler picks), and the finite rows must keep their bits."""
     # Per-row scalar bases in int64 (gathered rows), int32 offsets along the head dim.
     k = load_tile(row_base(K, kv_start + loc, sk_t, kv_head, sk_h)[:, None] + (offs_d * sk_d)[None, :],
                   key_ok, d_ok, True, MASK_D)
@@ -370,17 +373,22 @@ def _fwd_packed_head(
                   row_ok, d_ok, True, MASK_D)
     s = raw_scores(mma(q, tl.trans(k), INTERPRET), NEG_SCALE)
     s = tl.where(seen, s, float("-inf"))
-    p, m = block_softmax(s, scale_log2)
-    l = chunked_row_sum(p, BLOCK, BLOCK, 16)
-    acc = slot_mma_acc(rounded(p, DT, INTERPRET), v, tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32), slot, SLOTS,
-                       ISOLATE, INTERPRET)
+    stat = tl.cast(head, tl.int64) * stat_h + out_start + loc
+    if ISOLATE:
+        m = tl.load(RowMax + stat, mask=row_ok, other=float("-inf"))
+        l = tl.load(RowSum + stat, mask=row_ok, other=0.0)
+        p = block_probs(s, m, scale_log2)
+    else:
+        p, m = block_softmax(s, scale_log2)
+        l = chunked_row_sum(p, BLOCK, BLOCK, 16)
+    acc = slot_mma(rounded(p, DT, INTERPRET), v, slot, SLOTS, ISOLATE, INTERPRET)
     out, lse = finalize(acc, m, l, scale_abs)
     tl.store(row_base(Out, out_start + loc, so_t, head, so_h)[:, None] + offs_dv[None, :],
              stored(out, DT, INTERPRET), mask=row_ok[:, None] & dv_ok[None, :])
-    stat = tl.cast(head, tl.int64) * stat_h + out_start + loc
-    tl.store(Lse + stat, lse, mask=row_ok)
-    tl.store(RowMax + stat, m, mask=row_ok)
-    tl.store(RowSum + stat, l, mask=row_ok)
+    if not ISOLATE:
+        tl.store(Lse + stat, lse, mask=row_ok)
+        tl.store(RowMax + stat, m, mask=row_ok)
+        tl.store(RowSum + stat, l, mask=row_ok)
     return nonfinite_rows(out)
 
 
@@ -410,7 +418,7 @@ def _fwd_packed_tile(
         head_bad = _fwd_packed_head(
             Q, K, V, Out, Lse, RowMax, RowSum, head, head // group, slot, loc, q_start, out_start, kv_start,
             row_ok, key_ok, seen, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h,
-            sv_d, so_t, so_h, stat_h, scale_log2, scale_abs, DT, BLOCK, BLOCK_DV, SLOTS, HEAD_DIM != BLOCK_D,
+            sv_d, so_t, so_h, stat_h, scale_log2, scale_abs, DT, BLOCK, SLOTS, HEAD_DIM != BLOCK_D,
             HEAD_DIM_V != BLOCK_DV, NEG_SCALE, ISOLATE, INTERPRET)
         bad = tl.where(head_bad, 1, bad)
     return tl.max(bad, 0)
@@ -434,7 +442,7 @@ def _fwd_packed_kernel(
     loads overlap this head's arithmetic (the workload is memory-bound). P·V sums each row over the whole
     tile, the other slots at weight 0, so a NaN or infinity in one sequence's v would reach its neighbours
     (0·NaN). A tile with any non-finite output is listed (`flag_tile`, in counter[1:]) for
-    `_fwd_packed_redo_kernel`, which does it again with the products isolated per slot (`slot_mma_acc`); that
+    `_fwd_packed_redo_kernel`, which does it again with the products isolated per slot (`slot_mma`); that
     leaves the finite rows' bits as they were.
     """
     pid = tl.program_id(0)
