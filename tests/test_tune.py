@@ -72,7 +72,6 @@ def test_kernel_names_are_the_kernels():
     ("_dq_kernel", "_dq_kernel"),
     ("_dkv_kernel", "_dkv_kernel"),
     ("_bwd_packed_kernel", "_bwd_packed_kernel"),
-    ("_fwd_packed_redo_kernel", "_fwd_packed_redo_kernel"),
     ("_bwd_short_kernel", "_bwd_short_kernel"),
     ("_dq_reduce_kernel", "_dq_reduce_kernel"),
     ("_delta_kernel", "_delta_kernel"),

@@ -366,14 +366,16 @@ def forward(q, k, v, problem: Problem, fwd_pass=None):
                 BLOCK_M=config.fwd.block_m, BLOCK_N=config.fwd.block_n, **args)
     packed = sched.host.packed_fwd
     if packed.n_tiles:
-        # counter[0]: the dynamic schedule's; counter[1:]: the tiles the packed kernel lists for its redo kernel
+        # counter[0]: the dynamic schedule's; counter[1:]: the tiles the first launch lists for the redo launch
         # (`jfa.triton.forward.flag_tile`), whose programs read one integer and exit when none is listed.
         n = packed.n_tiles
         counter = torch.zeros(2 + n, dtype=torch.int32, device=device)
-        for kernel in (fwd_kernels._fwd_packed_kernel, fwd_kernels._fwd_packed_redo_kernel):
-            _launch(kernel, config.packed_fwd, _programs(n, config.packed_fwd, schedule, device), problem,
-                    pack_seqs=sched.pack_fwd_seqs, pack_shift=sched.pack_fwd_shift, n_tiles=n, counter=counter,
-                    n_heads=hq, BLOCK=packed.block, SLOTS=packed.block // ts.PACK_ALIGN, **args)
+        for redo in (False, True):
+            _launch(fwd_kernels._fwd_packed_kernel, config.packed_fwd, _programs(n, config.packed_fwd, schedule,
+                                                                                 device),
+                    problem, pack_seqs=sched.pack_fwd_seqs, pack_shift=sched.pack_fwd_shift, n_tiles=n,
+                    counter=counter, n_heads=hq, BLOCK=packed.block, SLOTS=packed.block // ts.PACK_ALIGN, REDO=redo,
+                    **args)
     return out, lse, (row_max, row_sum)
 
 

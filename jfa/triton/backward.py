@@ -62,6 +62,7 @@ from jfa.triton.forward import (
     mma_acc,
     next_tile,
     packed_layout,
+    packed_rows,
     packed_visible,
     query_tile,
     rounded,
@@ -459,16 +460,11 @@ def _bwd_packed_kernel(
         dv = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
         for head in range(n_heads):
             kv_head = head // group
-            k = load_tile(row_base(K, kv_start + loc, sk_t, kv_head, sk_h)[:, None] + (offs_d * sk_d)[None, :],
-                          key_ok, d_ok, True, MASK_D)
-            v = load_tile(row_base(V, kv_start + loc, sv_t, kv_head, sv_h)[:, None] + (offs_dv * sv_d)[None, :],
-                          key_ok, dv_ok, True, MASK_DV)
-            q = load_tile(row_base(Q, q_start + loc, sq_t, head, sq_h)[:, None] + (offs_d * sq_d)[None, :],
-                          row_ok, d_ok, True, MASK_D)
-            do = load_tile(row_base(DOut, out_start + loc, sdo_t, head, sdo_h)[:, None]
-                           + (offs_dv * sdo_d)[None, :], row_ok, dv_ok, True, MASK_DV)
-            o = load_tile(row_base(Out, out_start + loc, so_t, head, so_h)[:, None] + offs_dv[None, :],
-                          row_ok, dv_ok, True, MASK_DV)
+            k = packed_rows(K, kv_start + loc, sk_t, kv_head, sk_h, offs_d * sk_d, key_ok, d_ok, MASK_D)
+            v = packed_rows(V, kv_start + loc, sv_t, kv_head, sv_h, offs_dv * sv_d, key_ok, dv_ok, MASK_DV)
+            q = packed_rows(Q, q_start + loc, sq_t, head, sq_h, offs_d * sq_d, row_ok, d_ok, MASK_D)
+            do = packed_rows(DOut, out_start + loc, sdo_t, head, sdo_h, offs_dv * sdo_d, row_ok, dv_ok, MASK_DV)
+            o = packed_rows(Out, out_start + loc, so_t, head, so_h, offs_dv, row_ok, dv_ok, MASK_DV)
             delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
             stat = tl.cast(head, tl.int64) * stat_h + out_start + loc
             m_b, inv_b = backward_row_stats(tl.load(RowMax + stat, mask=row_ok, other=0.0),

@@ -55,36 +55,35 @@ ROLE_KERNELS = {"fwd": "_fwd_kernel", "packed_fwd": "_fwd_packed_kernel", "dq": 
                 "short_bwd": "_bwd_short_kernel", "packed_bwd": "_bwd_packed_kernel"}
 _ROLE_LABELS = {"fwd": "fwd", "packed_fwd": "fwd_packed", "dq": "dq", "dkv": "dkv", "short_bwd": "bwd_short",
                 "packed_bwd": "bwd_packed"}
-# The packed forward's second kernel, launched with the same arguments right after the first.
-REDO_KERNELS = {"packed_fwd": "_fwd_packed_redo_kernel"}
 
 
 def role_variants(role: str, kcfg, d: int, dv: int, dtype: str = "bf16", causal: bool = False,
-                  window: bool = False, partial: bool = False) -> list[Variant]:
-    """The variants of `role`'s kernel at config `kcfg` (one per num_stages; then those of its redo kernel, if
-    any) for head dims d/dv; `partial`: dq as broadcast_q's fp32 partial (the roles that write dq)."""
+                  window: bool = False, partial: bool = False, redo: bool = False) -> list[Variant]:
+    """The variants of `role`'s kernel at config `kcfg` (one per num_stages) for head dims d/dv; `partial`: dq
+    as broadcast_q's fp32 partial (the roles that write dq); `redo`: the packed forward's second launch."""
     from jfa.triton import backend
 
     block_d, block_dv = backend.padded_dim(d), backend.padded_dim(dv)
+    kernel = ROLE_KERNELS[role]
     pointers = {n: dtype for n in ("Q", "K", "V", "Out", "DOut", "DK", "DV")}
     pointers.update({n: "fp32" for n in ("Lse", "RowMax", "RowSum", "Delta", "RowStats")})
     pointers.update({n: "i32" for n in ("tiles", "counter", "q_offsets", "out_offsets", "kv_offsets", "pack_seqs",
                                         "pack_shift")})
-    names, extra = [_ROLE_LABELS[role]], {}
-    kernels = [ROLE_KERNELS[role]] + ([REDO_KERNELS[role]] if role in REDO_KERNELS else [])
-    names += [f"{names[0]}_redo"] if len(kernels) > 1 else []
+    label, extra = _ROLE_LABELS[role], {}
     if role in ("dq", "short_bwd", "packed_bwd"):
         pointers["DQ"] = "fp32" if partial else dtype
-        names, extra = [f"{name} partial={int(partial)}" for name in names], dict(DQ_PARTIAL=partial)
+        label, extra = f"{label} partial={int(partial)}", dict(DQ_PARTIAL=partial)
+    if redo:
+        label = f"{label}_redo"
     tiles = (dict(BLOCK=kcfg.block_m, SLOTS=kcfg.block_m // 16) if role.startswith("packed")
              else dict(BLOCK_M=kcfg.block_m, BLOCK_N=kcfg.block_n))
     constexprs = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, NEG_SCALE=False,
-                      HAS_WINDOW=window, CAUSAL=causal, SCHEDULE=1, INTERPRET=False, ROW_STATS=True, **tiles,
+                      HAS_WINDOW=window, CAUSAL=causal, SCHEDULE=1, REDO=redo, INTERPRET=False, ROW_STATS=True, **tiles,
                       **extra)
     tag = f"D{d}/{dv} {dtype} causal={int(causal)} window={int(window)}"
     cap = "" if kcfg.max_registers is None else f" m{kcfg.max_registers}"
-    return [Variant(f"{name} s{stages}{cap} {tag}", kernel, pointers, constexprs, kcfg.num_warps, stages,
-                    kcfg.max_registers) for kernel, name in zip(kernels, names, strict=True) for stages in kcfg.stages]
+    return [Variant(f"{label} s{stages}{cap} {tag}", kernel, pointers, constexprs, kcfg.num_warps, stages,
+                    kcfg.max_registers) for stages in kcfg.stages]
 
 
 def variants(quick: bool = False, head_dims: list[tuple[int, int]] | None = None) -> list[Variant]:
@@ -107,6 +106,7 @@ def variants(quick: bool = False, head_dims: list[tuple[int, int]] | None = None
             for causal, window in masks:
                 for role, partial in roles:
                     out += role_variants(role, getattr(cfg, role), d, dv, dt, causal, window, partial)
+                out += role_variants("packed_fwd", cfg.packed_fwd, d, dv, dt, causal, window, redo=True)
     out += [Variant(f"dq_reduce unroll={unroll} {dt}", "_dq_reduce_kernel", {"Part": "fp32", "DQ": dt},
                     dict(BLOCK=backend.DQ_REDUCE_BLOCK, UNROLL=unroll, INTERPRET=False), 4, 2)
             for unroll in sorted({backend.dq_reduce_unroll(n) for n in (1, 2)}) for dt in dtypes]

@@ -320,6 +320,14 @@ def packed_layout(pack_seqs, pack_shift, g, q_offsets, out_offsets, kv_offsets,
 
 
 @triton.jit
+def packed_rows(ptr, rows, stride_t, head, stride_h, cols, row_ok, col_ok, COL_MASK: tl.constexpr):
+    """Head `head` of a packed tile's rows: tile row i is tensor row rows[i] (a scalar base per row in int64:
+    the slots' rows are not contiguous), at the int32 column offsets `cols`."""
+    return load_tile(row_base(ptr, rows, stride_t, head, stride_h)[:, None] + cols[None, :], row_ok, col_ok, True,
+                     COL_MASK)
+
+
+@triton.jit
 def packed_visible(slot, loc, q_len, kv_len, row_ok, key_ok, window, HAS_WINDOW: tl.constexpr,
                    CAUSAL: tl.constexpr):
     """[BLOCK, BLOCK] block-diagonal visibility of a packed tile (rows × keys)."""
@@ -361,16 +369,12 @@ def _fwd_packed_head(
     INTERPRET: tl.constexpr,
 ):
     """One query head of a packed tile: stores out, lse, m and l; returns the rows whose output is not finite.
-    ISOLATE (the redo kernel) stores out only, from the m and l the first kernel stored (they involve no other
+    ISOLATE (the redo launch) stores out only, from the m and l the first launch stored (they involve no other
     slot): a row sum recomputed in another kernel may add in another order (the order follows the layout the
     compiler picks), and the finite rows must keep their bits."""
-    # Per-row scalar bases in int64 (gathered rows), int32 offsets along the head dim.
-    k = load_tile(row_base(K, kv_start + loc, sk_t, kv_head, sk_h)[:, None] + (offs_d * sk_d)[None, :],
-                  key_ok, d_ok, True, MASK_D)
-    v = load_tile(row_base(V, kv_start + loc, sv_t, kv_head, sv_h)[:, None] + (offs_dv * sv_d)[None, :],
-                  key_ok, dv_ok, True, MASK_DV)
-    q = load_tile(row_base(Q, q_start + loc, sq_t, head, sq_h)[:, None] + (offs_d * sq_d)[None, :],
-                  row_ok, d_ok, True, MASK_D)
+    k = packed_rows(K, kv_start + loc, sk_t, kv_head, sk_h, offs_d * sk_d, key_ok, d_ok, MASK_D)
+    v = packed_rows(V, kv_start + loc, sv_t, kv_head, sv_h, offs_dv * sv_d, key_ok, dv_ok, MASK_DV)
+    q = packed_rows(Q, q_start + loc, sq_t, head, sq_h, offs_d * sq_d, row_ok, d_ok, MASK_D)
     s = raw_scores(mma(q, tl.trans(k), INTERPRET), NEG_SCALE)
     s = tl.where(seen, s, float("-inf"))
     stat = tl.cast(head, tl.int64) * stat_h + out_start + loc
@@ -394,7 +398,7 @@ def _fwd_packed_head(
 
 @triton.jit
 def flag_tile(flagged, t):
-    """Lists packed tile t for the redo kernel: flagged[0] counts the entries (zeroed by the host for each
+    """Lists packed tile t for the redo launch: flagged[0] counts the entries (zeroed by the host for each
     launch), flagged[1 + i] is entry i."""
     tl.store(flagged + 1 + tl.atomic_add(flagged, 1), t)
 
@@ -434,54 +438,41 @@ def _fwd_packed_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK: tl.constexpr, SLOTS: tl.constexpr,
     NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-    SCHEDULE: tl.constexpr, INTERPRET: tl.constexpr,
+    SCHEDULE: tl.constexpr, REDO: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Persistent forward over packed tiles (a group of tiny sequences), every query head in turn.
 
     The head loop is the kernel's inner loop, so num_stages pipelines it: the next head's q, k and v
     loads overlap this head's arithmetic (the workload is memory-bound). P·V sums each row over the whole
     tile, the other slots at weight 0, so a NaN or infinity in one sequence's v would reach its neighbours
-    (0·NaN). A tile with any non-finite output is listed (`flag_tile`, in counter[1:]) for
-    `_fwd_packed_redo_kernel`, which does it again with the products isolated per slot (`slot_mma`); that
-    leaves the finite rows' bits as they were.
+    (0·NaN). A tile with any non-finite output is listed (`flag_tile`, in counter[1:]), and a second launch
+    with REDO does the listed tiles again (dealt round-robin) with the products isolated per slot (`slot_mma`),
+    which leaves the finite rows' bits as they were. The redo is a launch of its own so that its registers
+    (a product per slot) stay out of the main loop: inlined there they spilled into it, and a non-inlined
+    function made ptxas serialise every wgmma of the caller.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    t = pid
+    if REDO:  # noqa: SIM108 - constexpr branches, kept as statements for the Triton frontend
+        count = tl.load(counter + 1)
+    else:
+        count = n_tiles
+    i = pid
     r = pid * 0
-    while t < n_tiles:
-        t_next = next_tile(r, pid, nprog, n_tiles, counter, SCHEDULE)
-        if _fwd_packed_tile(
-                Q, K, V, Out, Lse, RowMax, RowSum, pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets,
-                sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, stat_h, scale_log2, scale_abs,
-                window, n_heads, group, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK, SLOTS, NEG_SCALE,
-                HAS_WINDOW, CAUSAL, False, INTERPRET) > 0:
-            flag_tile(counter + 1, t)
-        t = t_next
+    while i < count:
+        if REDO:
+            t = tl.load(counter + 2 + i)
+            i_next = i + nprog
+        else:
+            t = i
+            i_next = next_tile(r, pid, nprog, n_tiles, counter, SCHEDULE)
+        bad = _fwd_packed_tile(
+            Q, K, V, Out, Lse, RowMax, RowSum, pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets,
+            sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, stat_h, scale_log2, scale_abs,
+            window, n_heads, group, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK, SLOTS, NEG_SCALE,
+            HAS_WINDOW, CAUSAL, REDO, INTERPRET)
+        if not REDO:  # noqa: SIM102 - a constexpr branch around a run-time one
+            if bad > 0:
+                flag_tile(counter + 1, t)
+        i = i_next
         r += 1
-
-
-@kernel
-def _fwd_packed_redo_kernel(
-    Q, K, V, Out, Lse, RowMax, RowSum,
-    pack_seqs, pack_shift, n_tiles, counter,
-    q_offsets, out_offsets, kv_offsets,
-    sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, stat_h,
-    scale_log2, scale_abs, window, n_heads, group, profile,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK: tl.constexpr, SLOTS: tl.constexpr,
-    NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-    SCHEDULE: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """Does the tiles `_fwd_packed_kernel` listed in counter[1:] (`flag_tile`) again with the products isolated
-    per slot: the rare path, a kernel of its own so that its registers (a product per slot) stay out of the
-    main kernel's loop (inlined there they spilled into it; a non-inlined function made ptxas serialise every
-    wgmma of the caller). SCHEDULE is unused: the tiles are dealt round-robin."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    for i in range(pid, tl.load(counter + 1), nprog):
-        _fwd_packed_tile(
-            Q, K, V, Out, Lse, RowMax, RowSum, pack_seqs, pack_shift, tl.load(counter + 2 + i), q_offsets,
-            out_offsets, kv_offsets, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, stat_h,
-            scale_log2, scale_abs, window, n_heads, group, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK, SLOTS,
-            NEG_SCALE, HAS_WINDOW, CAUSAL, True, INTERPRET)

@@ -60,16 +60,13 @@ KERNELS = {"fwd": "_fwd_kernel", "dq": "_dq_kernel", "dkv": "_dkv_kernel", "shor
 # The TLX kernels (jfa.tlx.forward, jfa.tlx.backward; their modules import only under fbtriton), which
 # scripts/ab_probe.py's `tlx` rows time.
 TLX_KERNELS = ("fwd_ws_kernel", "dq_ws_kernel", "dkv_ws_kernel", "short_ws_kernel")
-# The packed forward's redo kernel (tiles with a non-finite result, again isolated per slot; with none, a read
-# of one integer per program).
-REDO_KERNELS = {"packed_fwd": "_fwd_packed_redo_kernel"}
 # _delta_kernel: D of every row, ahead of the tlx backward's one pass (`dq_in_dkv`).
-JFA_KERNELS = (*KERNELS.values(), *REDO_KERNELS.values(), "_delta_kernel", "_dq_reduce_kernel", *TLX_KERNELS)
-# What a role's time sums: its kernel and, for a packed or short-query role, the other kernels of its pass:
-# the redo kernel, and the ordinary kernels, which take the sequences its block leaves out.
+JFA_KERNELS = (*KERNELS.values(), "_delta_kernel", "_dq_reduce_kernel", *TLX_KERNELS)
+# What a role's time sums: its kernel and, for a packed or short-query role, the ordinary kernels of its pass,
+# which take the sequences its block leaves out.
 ROLE_KERNELS = {"fwd": ("_fwd_kernel",), "dq": ("_dq_kernel",), "dkv": ("_dkv_kernel",),
                 "short_bwd": ("_bwd_short_kernel", "_dq_kernel", "_dkv_kernel"),
-                "packed_fwd": ("_fwd_packed_kernel", REDO_KERNELS["packed_fwd"], "_fwd_kernel"),
+                "packed_fwd": ("_fwd_packed_kernel", "_fwd_kernel"),
                 "packed_bwd": ("_bwd_packed_kernel", "_dq_kernel", "_dkv_kernel")}
 FORWARD_ROLES = ("fwd", "packed_fwd")
 ORDINARY_ROWS = ("gem", "long", "skew", "broadcast")  # rows with sequences longer than any packed block
@@ -512,8 +509,6 @@ def compile_candidates(roles, head_dim: int, dtype: str, arch: int = 90) -> int:
     for role in roles:
         for cfg in candidates(role, padded_dim(head_dim)):
             for variant in role_variants(role, cfg, head_dim, head_dim, dtype):
-                if variant.kernel != KERNELS[role]:
-                    continue  # a packed role's redo kernel: it shares the config, not the hot loop
                 name = f"{role:10s} {label(dataclasses.replace(cfg, stages=(variant.num_stages,)))}"
                 try:
                     regs, spill, smem = ptxas_usage(variant, arch)
