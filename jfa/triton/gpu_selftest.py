@@ -5,7 +5,8 @@ Runs jfa.attention(backend="triton") forward and backward on a few dozen varied 
 sequences, NaN tails, fused-QKV and large-stride layouts) and compares with the float64 reference
 (reference.exact, componentwise bound) and the bf16 model (reference.bf16_model, the same-dtype
 baseline). One line per case: max |err|/bound of out, lse, dq, dk, dv for the kernel (and for the bf16
-model, as context), then exact checks (empty rows, unseen keys, bitwise invariances). Prints PASS/FAIL
+model, as context), then exact checks (empty rows, unseen keys, bitwise invariances, a NaN in one packed
+sequence's inputs leaving the others' outputs). Prints PASS/FAIL
 and exits 0 only if every case passes. Cases run in parallel worker processes (--jobs) so that Triton's
 compilations overlap; autotuning is off unless --autotune (it would add a benchmark per kernel variant).
 
@@ -88,6 +89,10 @@ def case_list():
         ("batch_invariance_window", lambda r: c(INV_Q, INV_KV, 4, 2, check="invariance", window=40,
                                                 causal=True)),
         ("empty_batches", lambda r: c([], [], check="empty")),
+        # Packed tiles of 2-4 sequences (and a causal GQA variant): the forward's redo per poisoned tensor.
+        ("nan_isolation_packed", lambda r: c(*(2 * [_u(r, 400, 1, 33)]), check="isolation")),
+        ("nan_isolation_packed_causal_gqa", lambda r: c(*(2 * [_u(r, 400, 1, 65)]), 4, 2, check="isolation",
+                                                        causal=True)),
     ]
     return cases
 
@@ -273,6 +278,8 @@ def run_case(name, spec, seed, device):
                 problems.append(f"schedule {mode}/{programs} differs bitwise")
     elif check == "invariance":
         problems += _check_invariance(spec, q, k, v, dout, kw, got, device)
+    elif check == "isolation":
+        problems += _check_isolation(spec, q, k, v, q_off, kv_off, dout, kw, got)
     if spec["q_lens"] and max(spec["q_lens"]) > 0 and check == "reference":
         again = _run(q, k, v, q_off, kv_off, dout, **kw)
         if not _bitwise(again, got):
@@ -330,6 +337,29 @@ def _check_big_strides(q, k, v, q_off, kv_off, dout, kw, plain):
         if not _bitwise(got, plain):
             out.append(f"{name} with rows x stride > 2^31 differs")
     return out
+
+
+def _check_isolation(spec, q, k, v, q_off, kv_off, dout, kw, plain):
+    """A NaN in one row of the middle sequence's q, k, v or dout, one tensor at a time: every other sequence's
+    out and lse bitwise as in `plain` (the packed forward redoes a tile with a non-finite output, each row summed
+    over its own slot). The gradients are not compared: the packed backward's known gap (README)."""
+    import torch
+
+    b = len(spec["q_lens"]) // 2
+    while spec["q_lens"][b] == 0 or spec["kv_lens"][b] == 0:
+        b += 1
+    others = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+    others[int(q_off[b]):int(q_off[b + 1])] = False
+    problems = []
+    for name in ("q", "k", "v", "dout"):
+        inputs = dict(q=q, k=k, v=v, dout=dout)
+        x = inputs[name] = inputs[name].clone()
+        x[int((kv_off if name in ("k", "v") else q_off)[b]), :, 0] = float("nan")
+        got = _run(inputs["q"], inputs["k"], inputs["v"], q_off, kv_off, inputs["dout"], **kw)
+        if not (torch.equal(got["out"][others], plain["out"][others])
+                and torch.equal(got["lse"][:, others], plain["lse"][:, others])):
+            problems.append(f"a NaN in sequence {b}'s {name} changed other sequences' out or lse")
+    return problems
 
 
 def _check_invariance(spec, q, k, v, dout, kw, batch, device):
