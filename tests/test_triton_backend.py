@@ -327,6 +327,21 @@ def test_a_nan_inside_one_sequence_stays_in_it(tiles, names, seed):
                     f"a NaN in sequence {poisoned_seq}'s {name} changed sequence {b}'s {out_name} (lengths {lens})"
 
 
+@needs_interpreter
+def test_gpu_selftest_isolation_check_at_interpreter_size():
+    """The GPU self-test's NaN-isolation cases (`jfa.triton.gpu_selftest`), shrunk to interpreter size: every
+    poisoned tensor leaves the other sequences' out and lse as they were."""
+    import numpy as np
+
+    from jfa.triton import gpu_selftest
+
+    cases = dict(gpu_selftest.case_list())
+    for name in ("nan_isolation_packed", "nan_isolation_packed_causal_gqa"):
+        spec = gpu_selftest.shrink(cases[name](np.random.default_rng(0)))
+        line, ok = gpu_selftest.run_case(name, dict(spec, d=16, dv=16), 0, "cpu")
+        assert ok, line
+
+
 @pytest.fixture
 def nan_filled_allocations():
     """torch.empty returns NaN-filled memory (the verify suite's `verify.runner.nan_filled_allocations`), so
