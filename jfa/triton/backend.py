@@ -371,12 +371,11 @@ def forward(q, k, v, problem: Problem, fwd_pass=None):
         # (`jfa.triton.forward.flag_tile`), whose programs read one integer and exit when none is listed.
         n = packed.n_tiles
         counter = torch.zeros(2 + n, dtype=torch.int32, device=device)
+        grid = _programs(n, config.packed_fwd, schedule, device)
         for redo in (False, True):
-            _launch(fwd_kernels._fwd_packed_kernel, config.packed_fwd, _programs(n, config.packed_fwd, schedule,
-                                                                                 device),
-                    problem, pack_seqs=sched.pack_fwd_seqs, pack_shift=sched.pack_fwd_shift, n_tiles=n,
-                    counter=counter, n_heads=hq, BLOCK=packed.block, SLOTS=packed.block // ts.PACK_ALIGN, REDO=redo,
-                    **args)
+            _launch(fwd_kernels._fwd_packed_kernel, config.packed_fwd, grid, problem, pack_seqs=sched.pack_fwd_seqs,
+                    pack_shift=sched.pack_fwd_shift, n_tiles=n, counter=counter, n_heads=hq, BLOCK=packed.block,
+                    SLOTS=packed.block // ts.PACK_ALIGN, REDO=redo, **args)
     return out, lse, (row_max, row_sum)
 
 
