@@ -465,7 +465,7 @@ def _bwd_packed_kernel(
             q = packed_rows(Q, q_start + loc, sq_t, head, sq_h, offs_d * sq_d, row_ok, d_ok, MASK_D)
             do = packed_rows(DOut, out_start + loc, sdo_t, head, sdo_h, offs_dv * sdo_d, row_ok, dv_ok, MASK_DV)
             o = packed_rows(Out, out_start + loc, so_t, head, so_h, offs_dv, row_ok, dv_ok, MASK_DV)
-            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+            delta = row_delta(do, o)
             stat = tl.cast(head, tl.int64) * stat_h + out_start + loc
             m_b, inv_b = backward_row_stats(tl.load(RowMax + stat, mask=row_ok, other=0.0),
                                             tl.load(RowSum + stat, mask=row_ok, other=0.0))
