@@ -340,14 +340,17 @@ def _check_big_strides(q, k, v, q_off, kv_off, dout, kw, plain):
 
 
 def _check_isolation(spec, q, k, v, q_off, kv_off, dout, kw, plain):
-    """A NaN in one row of the middle sequence's q, k, v or dout, one tensor at a time: every other sequence's
-    out and lse bitwise as in `plain` (the packed forward redoes a tile with a non-finite output, each row summed
-    over its own slot). The gradients are not compared: the packed backward's known gap (README)."""
+    """A NaN in one row of the q, k, v or dout of the middle sequence (or the next with query and key rows), one
+    tensor at a time: every other sequence's out and lse bitwise as in `plain` (the packed forward redoes a tile
+    with a non-finite output, each row summed over its own slot). The gradients are not compared: the packed
+    backward's known gap (README)."""
     import torch
 
-    b = len(spec["q_lens"]) // 2
-    while spec["q_lens"][b] == 0 or spec["kv_lens"][b] == 0:
-        b += 1
+    lengths = list(zip(spec["q_lens"], spec["kv_lens"], strict=True))
+    middle = len(lengths) // 2
+    b = next((i for i in [*range(middle, len(lengths)), *range(middle)] if min(lengths[i]) > 0), None)
+    if b is None:
+        return ["the isolation check needs a sequence with query and key rows"]
     others = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
     others[int(q_off[b]):int(q_off[b + 1])] = False
     problems = []
