@@ -27,6 +27,7 @@ the backward, tile tables (O(T) int32) and, with broadcast_q, fp32 dq partials (
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -158,6 +159,12 @@ SMALL_BLOCKS = BackendConfig(
     packed_fwd=KernelConfig(32, 32, 4, (1,)),
     packed_bwd=KernelConfig(32, 32, 4, (1,)),
 )
+
+# How the packed forward's first launch finds the tiles to redo (`jfa.triton.forward._fwd_packed_head`), per
+# compiler: stock triton takes a row vector carried over the heads (the tiny bench row's forward kernels 0.751 ms,
+# against 0.792 with one value per head), fbtriton (Triton with TLX, the tlx backend's) one value per head (1.132 ms
+# against 2.209: the row vector took its ptxas spill from 444 to 948 bytes). H200, 2026-12-03, same bits.
+FLAG_PER_HEAD = importlib.util.find_spec("triton.language.extra.tlx") is not None
 
 # The known gap the `isolation_grad` invariant finds (tests/test_triton_backend.py pins it with a strict xfail).
 ISOLATION_GRAD_GAP = (
@@ -375,7 +382,7 @@ def forward(q, k, v, problem: Problem, fwd_pass=None):
         for redo in (False, True):
             _launch(fwd_kernels._fwd_packed_kernel, config.packed_fwd, grid, problem, pack_seqs=sched.pack_fwd_seqs,
                     pack_shift=sched.pack_fwd_shift, n_tiles=n, counter=counter, n_heads=hq, BLOCK=packed.block,
-                    SLOTS=packed.block // ts.PACK_ALIGN, REDO=redo, **args)
+                    SLOTS=packed.block // ts.PACK_ALIGN, REDO=redo, FLAG_PER_HEAD=FLAG_PER_HEAD, **args)
     return out, lse, (row_max, row_sum)
 
 

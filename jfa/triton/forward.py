@@ -366,9 +366,10 @@ def _fwd_packed_head(
     seen, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, stat_h,
     scale_log2, scale_abs, DT: tl.constexpr, BLOCK: tl.constexpr, SLOTS: tl.constexpr,
     MASK_D: tl.constexpr, MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, ISOLATE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    FLAG_PER_HEAD: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One query head of a packed tile: stores out, lse, m and l; returns the rows whose output is not finite.
+    """One query head of a packed tile: stores out, lse, m and l; returns the rows whose output is not finite
+    (with FLAG_PER_HEAD, whether any is: `jfa.triton.backend.FLAG_PER_HEAD` says which form a compiler gets).
     ISOLATE (the redo launch) stores out only, from the m and l the first launch stored (they involve no other
     slot): a row sum recomputed in another kernel may add in another order (the order follows the layout the
     compiler picks), and the finite rows must keep their bits."""
@@ -393,7 +394,10 @@ def _fwd_packed_head(
         tl.store(Lse + stat, lse, mask=row_ok)
         tl.store(RowMax + stat, m, mask=row_ok)
         tl.store(RowSum + stat, l, mask=row_ok)
-    return nonfinite_rows(out)
+    bad = nonfinite_rows(out)
+    if FLAG_PER_HEAD:
+        bad = tl.max(bad.to(tl.int32), 0) > 0
+    return bad
 
 
 @triton.jit
@@ -409,7 +413,8 @@ def _fwd_packed_tile(
     sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, stat_h, scale_log2, scale_abs, window,
     n_heads, group, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr, SLOTS: tl.constexpr, NEG_SCALE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, ISOLATE: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, ISOLATE: tl.constexpr, FLAG_PER_HEAD: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Every query head of packed tile t; returns whether any output row is not finite."""
     DT: tl.constexpr = Out.dtype.element_ty
@@ -417,15 +422,20 @@ def _fwd_packed_tile(
     slot, loc, q_start, out_start, q_len, kv_start, kv_len, row_ok, key_ok = packed_layout(
         pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets, BLOCK, SLOTS)
     seen = packed_visible(slot, loc, q_len, kv_len, row_ok, key_ok, window, HAS_WINDOW, CAUSAL)
-    bad = tl.zeros([BLOCK], dtype=tl.int32)
+    if FLAG_PER_HEAD:  # noqa: SIM108 - constexpr branches, kept as statements for the Triton frontend
+        bad = 0
+    else:
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
     for head in range(n_heads):
         head_bad = _fwd_packed_head(
             Q, K, V, Out, Lse, RowMax, RowSum, head, head // group, slot, loc, q_start, out_start, kv_start,
             row_ok, key_ok, seen, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h,
             sv_d, so_t, so_h, stat_h, scale_log2, scale_abs, DT, BLOCK, SLOTS, HEAD_DIM != BLOCK_D,
-            HEAD_DIM_V != BLOCK_DV, NEG_SCALE, ISOLATE, INTERPRET)
+            HEAD_DIM_V != BLOCK_DV, NEG_SCALE, ISOLATE, FLAG_PER_HEAD, INTERPRET)
         bad = tl.where(head_bad, 1, bad)
-    return tl.max(bad, 0)
+    if not FLAG_PER_HEAD:
+        bad = tl.max(bad, 0)
+    return bad
 
 
 @kernel
@@ -438,7 +448,7 @@ def _fwd_packed_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK: tl.constexpr, SLOTS: tl.constexpr,
     NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-    SCHEDULE: tl.constexpr, REDO: tl.constexpr, INTERPRET: tl.constexpr,
+    SCHEDULE: tl.constexpr, REDO: tl.constexpr, FLAG_PER_HEAD: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Persistent forward over packed tiles (a group of tiny sequences), every query head in turn.
 
@@ -470,7 +480,7 @@ def _fwd_packed_kernel(
             Q, K, V, Out, Lse, RowMax, RowSum, pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets,
             sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, stat_h, scale_log2, scale_abs,
             window, n_heads, group, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK, SLOTS, NEG_SCALE,
-            HAS_WINDOW, CAUSAL, REDO, INTERPRET)
+            HAS_WINDOW, CAUSAL, REDO, FLAG_PER_HEAD, INTERPRET)
         if not REDO:  # noqa: SIM102 - a constexpr branch around a run-time one
             if bad > 0:
                 flag_tile(counter + 1, t)
