@@ -366,10 +366,9 @@ def _fwd_packed_head(
     seen, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, stat_h,
     scale_log2, scale_abs, DT: tl.constexpr, BLOCK: tl.constexpr, SLOTS: tl.constexpr,
     MASK_D: tl.constexpr, MASK_DV: tl.constexpr, NEG_SCALE: tl.constexpr, ISOLATE: tl.constexpr,
-    FLAG_PER_HEAD: tl.constexpr, INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    """One query head of a packed tile: stores out, lse, m and l; returns the rows whose output is not finite
-    (with FLAG_PER_HEAD, whether any is: `jfa.triton.backend.FLAG_PER_HEAD` says which form a compiler gets).
+    """One query head of a packed tile: stores out, lse, m and l; returns the rows whose output is not finite.
     ISOLATE (the redo launch) stores out only, from the m and l the first launch stored (they involve no other
     slot): a row sum recomputed in another kernel may add in another order (the order follows the layout the
     compiler picks), and the finite rows must keep their bits."""
@@ -394,10 +393,7 @@ def _fwd_packed_head(
         tl.store(Lse + stat, lse, mask=row_ok)
         tl.store(RowMax + stat, m, mask=row_ok)
         tl.store(RowSum + stat, l, mask=row_ok)
-    bad = nonfinite_rows(out)
-    if FLAG_PER_HEAD:
-        bad = tl.max(bad.to(tl.int32), 0) > 0
-    return bad
+    return nonfinite_rows(out)
 
 
 @triton.jit
@@ -431,7 +427,9 @@ def _fwd_packed_tile(
             Q, K, V, Out, Lse, RowMax, RowSum, head, head // group, slot, loc, q_start, out_start, kv_start,
             row_ok, key_ok, seen, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h,
             sv_d, so_t, so_h, stat_h, scale_log2, scale_abs, DT, BLOCK, SLOTS, HEAD_DIM != BLOCK_D,
-            HEAD_DIM_V != BLOCK_DV, NEG_SCALE, ISOLATE, FLAG_PER_HEAD, INTERPRET)
+            HEAD_DIM_V != BLOCK_DV, NEG_SCALE, ISOLATE, INTERPRET)
+        if FLAG_PER_HEAD:  # `jfa.triton.backend.FLAG_PER_HEAD` says which form a compiler gets
+            head_bad = tl.max(head_bad.to(tl.int32), 0) > 0
         bad = tl.where(head_bad, 1, bad)
     if not FLAG_PER_HEAD:
         bad = tl.max(bad, 0)
