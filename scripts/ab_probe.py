@@ -18,8 +18,8 @@ the op's do_bench ms, and whether the two sides' outputs (fwd) and gradients (fw
 the same ("not comparable" where one side's backend leaves dq out of its digest and the other's does not).
 
 The stage alternates the sides round by round on one machine (run-to-run spread on the H200 is several
-percent between machines and up to ±8% between runs): the figures of README's "Causal and window" section
-came from this script (2026-11-30, two rounds).
+percent between machines and up to ±8% between runs): the figures of docs/performance-log.md's "Causal and
+window" section came from this script (2026-11-30, two rounds).
 """
 
 from __future__ import annotations

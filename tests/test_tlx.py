@@ -422,8 +422,9 @@ def _empty_inputs(case):
 def test_premerge_profile_has_idle_halves_in_every_tlx_tile_kernel():
     """The TLX forward and dQ pass skip the work of a consumer whose 64 query rows all lie past the sequence
     (`_pass_tile`); the dK/dV pass computes a consumer's 64 keys past the sequence fully masked (where stray reads
-    and 0·NaN would show; skipping them was measured slower, README). The GPU gate verifies those branches only
-    if its profile has such tiles: count them over the premerge profile's cases on the TLX path, per mask kind."""
+    and 0·NaN would show; skipping them was measured slower, docs/performance-log.md). The GPU gate verifies those
+    branches only if its profile has such tiles: count them over the premerge profile's cases on the TLX path, per
+    mask kind."""
     from fixtures.families import case_from_id
     from fixtures.profiles import profile_case_ids
     from jfa.tlx.backend import host_plan, key_table, pack_block_for, query_table, tlx_dkv, tlx_dq
