@@ -1,7 +1,7 @@
-"""A/B of the Triton kernels of two trees on one GPU (the `ab` stage of scripts/gpu_session.sh).
+"""A/B of the Triton kernels of two trees (or more) on one GPU (the `ab` stage of scripts/gpu_session.sh).
 
     PYTHONPATH=TREE python scripts/ab_probe.py measure TAG OUT.jsonl ROW [ROW ...]
-    python scripts/ab_probe.py summary OUT.jsonl
+    python scripts/ab_probe.py summary OUT.jsonl [--kernel NAME]
 
 `measure` runs the `triton` op (or, with the row option `tlx`, the `tlx` one: fbtriton must come first on
 the path) of the tree first on PYTHONPATH on jfa.bench's rows (bf16, D 128, seed 0), forward and
@@ -16,6 +16,9 @@ backend's default mode: its bits differ between runs of one tree). One JSON line
 (mine / base; below 1 is faster), the same ratio of all the device's work (torch's kernels and copies too) and of
 the op's do_bench ms, and whether the two sides' outputs (fwd) and gradients (fwd+bwd) are bitwise
 the same ("not comparable" where one side's backend leaves dq out of its digest and the other's does not).
+With sides beyond base and mine (candidate trees, tagged by name), one such table per side against base, each
+under a line naming it. `--kernel NAME` compares only the device ms of the jfa kernels whose name contains NAME
+(e.g. short_ws_kernel), where one kernel's change would drown in the sum of all.
 
 The stage alternates the sides round by round on one machine (run-to-run spread on the H200 is several
 percent between machines and up to ±8% between runs): the figures of docs/performance-log.md's "Causal and
@@ -95,15 +98,26 @@ def pass_digests(outputs, grads, unordered_dq: bool) -> dict[str, str]:
     return {"fwd": digest(outputs), "fwd+bwd": digest(grads[1:] if unordered_dq else grads)}
 
 
-def summary(records: list[dict]) -> list[str]:
-    """Table lines: per (row, pass), each side's mean kernel ms over its rounds, mine/base, the same ratio of all
-    the device's work (`device`: torch's kernels too, e.g. the zero-fills a change may add or remove) and of the
-    op's do_bench time (`op`; "-" where a side's records lack it), and the bits."""
+def sides(records: list[dict]) -> list[str]:
+    """The sides compared with base (a tag's part before the colon), in the order they were first measured."""
+    return list(dict.fromkeys(r["tag"].split(":")[0] for r in records if not r["tag"].startswith("base:")))
+
+
+def summary(records: list[dict], side: str = "mine", kernel: str | None = None) -> list[str]:
+    """Table lines: per (row, pass), base's and `side`'s mean kernel ms over their rounds (only of the kernels whose
+    name contains `kernel`, when given), side/base, the same ratio of all the device's work (`device`: torch's
+    kernels too, e.g. the zero-fills a change may add or remove) and of the op's do_bench time (`op`; "-" where a
+    side's records lack it), and the bits."""
     ms, bits, compared = defaultdict(list), defaultdict(set), defaultdict(set)
     for r in records:
-        side = r["tag"].split(":")[0]
+        name = r["tag"].split(":")[0]
+        if name not in ("base", side):
+            continue
+        name = "mine" if name == side else name
+        if kernel is not None:  # None where the record has no such kernel
+            r = dict(r, kernels_ms=sum(v for k, v in r.get("by_kernel", {}).items() if kernel in k) or None)
         for key in ("kernels_ms", "device_ms", "op_ms"):
-            ms[r["row"], r["op"], side, key].append(r.get(key))
+            ms[r["row"], r["op"], name, key].append(r.get(key))
         bits[r["row"], r["op"]].add(r["bits"])
         compared[r["row"], r["op"]].add(r.get("dq_compared", True))
 
@@ -115,12 +129,13 @@ def summary(records: list[dict]) -> list[str]:
         base, mine = mean(row, op, "base", key), mean(row, op, "mine", key)
         return "-" if base is None or mine is None or not base else f"{mine / base:.3f}"
 
-    lines = [f"{'row':16s} {'pass':8s} {'base ms':>9s} {'mine ms':>9s} {'mine/base':>9s} {'device':>7s} {'op':>7s}"
-             "  bits"]
-    for row, op in dict.fromkeys((r["row"], r["op"]) for r in records):
+    lines = [f"{'row':16s} {'pass':8s} {'base ms':>9s} {side + ' ms':>9s} {side + '/base':>9s} {'device':>7s} "
+             f"{'op':>7s}  bits"]
+    for row, op in dict.fromkeys((r["row"], r["op"]) for r in records if r["tag"].split(":")[0] in ("base", side)):
         b, m = mean(row, op, "base", "kernels_ms"), mean(row, op, "mine", "kernels_ms")
         if b is None or m is None:
-            lines.append(f"{row:16s} {op:8s} {'(one side only)':>29s}")
+            missing = "(one side only)" if kernel is None else f"(one side only, or no {kernel} kernel)"
+            lines.append(f"{row:16s} {op:8s} {missing:>29s}")
             continue
         if len(compared[row, op]) > 1:  # one side's backend waives dq_order, the other's not: other tensors digested
             same = "not comparable (dq in one side's digests only)"
@@ -137,9 +152,15 @@ def main(argv: list[str]) -> int:
     if len(argv) >= 4 and argv[0] == "measure":
         measure(argv[1], argv[2], argv[3:])
         return 0
-    if len(argv) == 2 and argv[0] == "summary":
+    if len(argv) in (2, 4) and argv[0] == "summary" and argv[2:3] in ([], ["--kernel"]):
         with open(argv[1]) as f:
-            print("\n".join(summary([json.loads(line) for line in f if line.strip()])))
+            records = [json.loads(line) for line in f if line.strip()]
+        kernel = argv[3] if len(argv) == 4 else None
+        candidates = sides(records)
+        for side in candidates:
+            if len(candidates) > 1:
+                print(f"{side} against base" + (f" ({kernel} only)" if kernel else ""))
+            print("\n".join(summary(records, side, kernel)))
         return 0
     print(__doc__)
     return 2

@@ -109,18 +109,29 @@ stage_sanitizer() {
 # ab BASE: the kernels of BASE (a folder of the carried tree holding another revision's jfa/, e.g. made with
 # `git archive REV jfa | tar -x -C scratch/base`: the machine's git metadata may lack REV) against this tree's,
 # alternating AB_ROUNDS times on AB_ROWS (scripts/ab_probe.py says what is timed; rows with the `tlx` option
-# time the tlx backend, and then both sides run with fbtriton first on the path), then the summary.
+# time the tlx backend, and then every side runs with fbtriton first on the path), then the summary. AB_MORE:
+# candidate folders like BASE, each measured after this tree in every round as a side named by its folder's
+# name and compared with BASE; AB_KERNEL: the summary compares only the kernels whose name contains it.
 stage_ab() {
-  local base=$1 round rows=${AB_ROWS:-gem long skew broadcast gem:causal gem:w256 long:causal} first=
+  local base=$1 round rows=${AB_ROWS:-gem long skew broadcast gem:causal gem:w256 long:causal} first= tree
   [[ " $rows" == *:tlx* ]] && { with_fbtriton true; first=$FBT:; }
+  for tree in ${AB_MORE:-}; do
+    case $(basename "$tree") in base | mine) echo "AB_MORE: $tree: a candidate's name is its side's, not base or mine"
+      return 1 ;;
+    esac
+  done
   : > "$OUT/ab.jsonl"
   for round in $(seq 1 "${AB_ROUNDS:-2}"); do
     PYTHONPATH=$first$PWD/$base:$PWD timeout ${AB_TIMEOUT:-250} python3 scripts/ab_probe.py measure "base:$round" \
       "$OUT/ab.jsonl" $rows
     PYTHONPATH=$first$PWD timeout ${AB_TIMEOUT:-250} python3 scripts/ab_probe.py measure "mine:$round" \
       "$OUT/ab.jsonl" $rows
+    for tree in ${AB_MORE:-}; do
+      PYTHONPATH=$first$PWD/$tree:$PWD timeout ${AB_TIMEOUT:-250} python3 scripts/ab_probe.py measure \
+        "$(basename "$tree"):$round" "$OUT/ab.jsonl" $rows
+    done
   done
-  python3 scripts/ab_probe.py summary "$OUT/ab.jsonl" | tee "$OUT/ab.txt"
+  python3 scripts/ab_probe.py summary "$OUT/ab.jsonl" ${AB_KERNEL:+--kernel "$AB_KERNEL"} | tee "$OUT/ab.txt"
 }
 
 # scaling [BACKENDS]: the premerge profile once on every GPU (compiling the Triton kernels into the cache), then

@@ -4,6 +4,7 @@ scripts/gpu_session.sh)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,44 @@ def test_summary_does_not_compare_digests_of_different_tensors():
     records = [_record("base:1", "gem", "fwd+bwd", 10.0), dict(_record("mine:1", "gem", "fwd+bwd", 9.0),
                                                                  bits="other", dq_compared=False)]
     assert ab_probe.summary(records)[1].endswith("not comparable (dq in one side's digests only)")
+
+
+def test_summary_compares_each_candidate_side_with_base():
+    """Candidate trees measured beside base and mine are sides of their own: each is compared with base alone,
+    and its table's header names it."""
+    records = [_record("base:1", "gem", "fwd", 4.0), _record("mine:1", "gem", "fwd", 3.0),
+               _record("vK4:1", "gem", "fwd", 2.0, bits="b"), _record("base:2", "gem", "fwd", 4.0),
+               _record("mine:2", "gem", "fwd", 3.0), _record("vK4:2", "gem", "fwd", 1.0, bits="b")]
+    assert ab_probe.sides(records) == ["mine", "vK4"]
+    assert ab_probe.summary(records) == ab_probe.summary(records, "mine")
+    assert ab_probe.summary(records)[1].split() == ["gem", "fwd", "4.000", "3.000", "0.750", "-", "-", "same"]
+    lines = ab_probe.summary(records, "vK4")
+    assert lines[0].split()[2:5] == ["base", "ms", "vK4"]
+    assert lines[1].split() == ["gem", "fwd", "4.000", "1.500", "0.375", "-", "-", "DIFFER"]
+
+
+def test_summary_of_one_kernel():
+    """--kernel: only the named kernels' device ms (every kernel whose name contains it, summed per record)."""
+    def rec(tag, short, other):
+        return _record(tag, "broadcast:tlx", "fwd+bwd", short + other,
+                       by_kernel={"short_ws_kernel": short, "_fwd_kernel": other, "all": short + other + 1})
+    records = [rec("base:1", 2.0, 8.0), rec("mine:1", 1.0, 8.0)]
+    assert ab_probe.summary(records)[1].split()[2:5] == ["10.000", "9.000", "0.900"]
+    assert ab_probe.summary(records, kernel="short_ws")[1].split()[2:5] == ["2.000", "1.000", "0.500"]
+    assert ab_probe.summary(records, kernel="dkv_ws")[1].split()[2:] == ["(one", "side", "only,", "or", "no",
+                                                                          "dkv_ws", "kernel)"]
+
+
+def test_main_prints_a_table_per_candidate(tmp_path, capsys):
+    path = tmp_path / "ab.jsonl"
+    records = [_record("base:1", "gem", "fwd", 4.0), _record("mine:1", "gem", "fwd", 3.0),
+               _record("vA:1", "gem", "fwd", 2.0)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert ab_probe.main(["summary", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "mine against base" and out[3] == "vA against base"
+    assert out[2].split()[2:5] == ["4.000", "3.000", "0.750"] and out[5].split()[2:5] == ["4.000", "2.000", "0.500"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
+    assert ab_probe.main(["summary", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines()[0].split()[:2] == ["row", "pass"]  # one side: no name line
+    assert ab_probe.main(["summary", str(path), "--kernels"]) == 2

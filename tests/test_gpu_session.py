@@ -34,3 +34,58 @@ def test_group_premerge_stages_get_their_share_of_the_cores(tmp_path):
     first_share = ",".join(map(str, cpu_share(cpus, 0, 2)))
     assert f"premerge share_a on 1 GPU(s), cores {first_share}, backends bf16-model: exit 0" in timings, timings
     assert f"premerge own_b on 1 GPU(s), cores {own}, backends bf16-model: exit 0" in timings, timings
+
+
+def _stand_in_probe(tmp_path) -> Path:
+    """A `python3` first on PATH whose `scripts/ab_probe.py measure` records its side and PYTHONPATH and writes a
+    record per row (kernel ms by side: base 4, mine 3, a candidate 2; short_ws_kernel a quarter of it for a
+    candidate, half otherwise); everything else goes to the real interpreter."""
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    python = stub / "python3"
+    python.write_text("""#!/bin/bash
+if [[ "$1" == scripts/ab_probe.py && "$2" == measure ]]; then
+  echo "$3 $PYTHONPATH" >> "$OUT/calls.txt"
+  case ${3%%:*} in base) ms=4; short=2 ;; mine) ms=3; short=1.5 ;; *) ms=2; short=0.5 ;; esac
+  fmt='{"tag": "%s", "row": "%s", "op": "fwd", "kernels_ms": %s, "bits": "a", '
+  fmt+='"by_kernel": {"short_ws_kernel": %s}}\\n'
+  for row in "${@:5}"; do printf "$fmt" "$3" "$row" "$ms" "$short" >> "$4"; done
+  exit 0
+fi
+exec REAL_INTERPRETER "$@"
+""".replace("REAL_INTERPRETER", sys.executable))
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    return stub
+
+
+def test_ab_stage_measures_each_candidate_in_every_round(tmp_path):
+    """AB_MORE's candidate trees are measured after base and this tree in each round, each with its own folder
+    first on PYTHONPATH, and the summary compares each with base (AB_KERNEL: one kernel's ms only)."""
+    stub = _stand_in_probe(tmp_path)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{stub}:{os.environ['PATH']}", OUT=str(out), AB_ROWS="gem tiny", AB_ROUNDS="2",
+               AB_MORE="scratch/vK4 scratch/vA")
+    proc = subprocess.run(["bash", "scripts/gpu_session.sh", "ab:scratch/base"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    calls = [line.split() for line in (out / "calls.txt").read_text().splitlines()]
+    assert [tag for tag, _ in calls] == ["base:1", "mine:1", "vK4:1", "vA:1", "base:2", "mine:2", "vK4:2", "vA:2"]
+    folders = {tag.split(":")[0]: path.split(":")[0] for tag, path in calls}
+    assert folders == {"base": f"{REPO}/scratch/base", "mine": str(REPO), "vK4": f"{REPO}/scratch/vK4",
+                       "vA": f"{REPO}/scratch/vA"}
+    summary = (out / "ab.txt").read_text().splitlines()
+    assert [line for line in summary if "against base" in line] == ["mine against base", "vK4 against base",
+                                                                   "vA against base"]
+    assert summary[summary.index("vK4 against base") + 2].split()[:5] == ["gem", "fwd", "4.000", "2.000", "0.500"]
+
+    env["AB_KERNEL"] = "short_ws"
+    proc = subprocess.run(["bash", "scripts/gpu_session.sh", "ab:scratch/base"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    summary = (out / "ab.txt").read_text().splitlines()
+    assert summary[summary.index("vK4 against base (short_ws only)") + 2].split()[:5] == [
+        "gem", "fwd", "2.000", "0.500", "0.250"]
+
+    env["AB_MORE"] = "scratch/mine"
+    proc = subprocess.run(["bash", "scripts/gpu_session.sh", "ab:scratch/base"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert "AB_MORE: scratch/mine: a candidate's name is its side's, not base or mine" in proc.stdout
