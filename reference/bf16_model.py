@@ -21,7 +21,6 @@ from reference.buckets import (
     buckets,
     chunk_sizes,
     chunks,
-    gather_heads,
     head_map,
     reduce_groups,
     scatter_rows,
@@ -49,10 +48,9 @@ def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class _Scores:
     def __init__(self, bucket, q, k, hmap, scale, q0, q1, k0, k1):
         self.mask = bucket.visible(q0, q1, k0, k1)
-        self.k = gather_heads(k, bucket.kv_rows[:, k0:k1], F32, hmap)
-        qc = gather_heads(q, bucket.q_rows[:, q0:q1], F32)
-        self.q = qc
-        self.s = ((qc @ self.k.transpose(-1, -2)) * scale).masked_fill(~self.mask, -math.inf)
+        self.k = bucket.keys(k, k0, k1, F32, hmap)
+        self.q = bucket.queries(q, q0, q1, F32)
+        self.s = ((self.q @ self.k.transpose(-1, -2)) * scale).masked_fill(~self.mask, -math.inf)
 
     def unnormalised(self, m: torch.Tensor) -> torch.Tensor:
         """P̃ = exp(S - m), 0 where invisible (also for empty rows, where m = -inf)."""
@@ -96,7 +94,7 @@ class Bf16Model:
                         sc = _Scores(bucket, q, k, hmap, problem.sm_scale, q0, q1, k0, k1)
                         p = sc.unnormalised(m)
                         l_sum = l_sum + p.sum(-1)
-                        v_c = gather_heads(v, bucket.kv_rows[:, k0:k1], F32, hmap)
+                        v_c = bucket.keys(v, k0, k1, F32, hmap)
                         acc = acc + _round(p, dtype) @ v_c
                     # Rows with no visible key: l = 0, out = 0 (not 0/0).
                     o = torch.where(l_sum.unsqueeze(-1) > 0, acc / l_sum.unsqueeze(-1), 0.0)
@@ -120,15 +118,14 @@ class Bf16Model:
             for bucket in buckets(problem, device):
                 q_chunk, kv_chunk = chunk_sizes(bucket)
                 for q0, q1 in chunks(bucket.q_pad, q_chunk):
-                    rows_sel = bucket.out_rows[:, q0:q1]
-                    do = gather_heads(dout, rows_sel, F32)
-                    m, l_sum, d = (x[:, rows_sel].permute(1, 0, 2) for x in (row_max, row_sum, delta))
+                    do = bucket.output_rows(dout, q0, q1, F32)
+                    m, l_sum, d = (bucket.row_view(x, q0, q1) for x in (row_max, row_sum, delta))
                     inv_l = torch.where(l_sum > 0, 1.0 / l_sum, 0.0).unsqueeze(-1)
                     acc_dq = 0.0
                     for k0, k1 in chunks(bucket.kv_pad, kv_chunk):
                         sc = _Scores(bucket, q, k, hmap, problem.sm_scale, q0, q1, k0, k1)
                         p = sc.unnormalised(m) * inv_l
-                        v_c = gather_heads(v, bucket.kv_rows[:, k0:k1], F32, hmap)
+                        v_c = bucket.keys(v, k0, k1, F32, hmap)
                         ds = _round(p * (do @ v_c.transpose(-1, -2) - d.unsqueeze(-1)), dtype)
                         acc_dq = acc_dq + ds @ sc.k
                         kv_rows, kv_valid = bucket.kv_rows[:, k0:k1], bucket.kv_valid[:, k0:k1]

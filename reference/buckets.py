@@ -2,8 +2,9 @@
 
 Sequences are grouped by their lengths padded to powers of two, so a batch of 32k tiny sequences is a few
 dense tensor operations instead of 32k Python iterations, and one 64k-token sequence is a single group
-processed in query × key chunks. Padding never changes a result: padded keys are invisible and padded
-query rows are never scattered back.
+processed in query × key chunks. Padding never changes a result: padded keys are invisible, padded query
+rows are never scattered back, and every padded position reads zeros (`gather_heads`, `Bucket.row_view`), never
+another sequence's data, which a product at weight 0 would pass on if it were NaN or infinite.
 """
 
 from __future__ import annotations
@@ -52,6 +53,24 @@ class Bucket:
         kv_len = self.kv_lens.view(-1, 1, 1)
         mask = visible_torch(i, j, q_len, kv_len, self.problem.window, self.problem.causal)
         return (mask & (i < q_len)).unsqueeze(1)
+
+    def queries(self, q: torch.Tensor, q0: int, q1: int, dtype: torch.dtype) -> torch.Tensor:
+        """Query rows q0:q1 of q as [G, Hq, q1-q0, D], zeros where padded (`gather_heads`)."""
+        return gather_heads(q, self.q_rows[:, q0:q1], self.q_valid[:, q0:q1], dtype)
+
+    def output_rows(self, x: torch.Tensor, q0: int, q1: int, dtype: torch.dtype) -> torch.Tensor:
+        """The output rows (out, dout) of query rows q0:q1 as [G, Hq, q1-q0, Dv], zeros where padded."""
+        return gather_heads(x, self.out_rows[:, q0:q1], self.q_valid[:, q0:q1], dtype)
+
+    def keys(self, x: torch.Tensor, k0: int, k1: int, dtype: torch.dtype, head_map: torch.Tensor) -> torch.Tensor:
+        """Key rows k0:k1 of k or v as [G, Hq, k1-k0, D] (each query head's key/value head), zeros where
+        padded."""
+        return gather_heads(x, self.kv_rows[:, k0:k1], self.kv_valid[:, k0:k1], dtype, head_map)
+
+    def row_view(self, x: torch.Tensor, q0: int, q1: int) -> torch.Tensor:
+        """[Hq, rows] per-row data (statistics, D) as [G, Hq, q1-q0] for query rows q0:q1, 0 where padded
+        (padded rows index row 0: see `gather_heads`)."""
+        return x[:, self.out_rows[:, q0:q1]].masked_fill(~self.q_valid[:, q0:q1], 0).permute(1, 0, 2)
 
 
 def buckets(problem: Problem, device: torch.device, block_elements: int = DEFAULT_BLOCK_ELEMENTS
@@ -108,17 +127,20 @@ def chunk_sizes(bucket: Bucket, block_elements: int = DEFAULT_BLOCK_ELEMENTS) ->
     return q_chunk, kv_chunk
 
 
-def gather_heads(x: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype, head_map: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-    """x[rows] as [G, H, L, D] in `dtype`; head_map expands key/value heads to query heads (GQA).
+def gather_heads(x: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype,
+                 head_map: torch.Tensor | None = None) -> torch.Tensor:
+    """x[rows] as [G, H, L, D] in `dtype`, zeros where `valid` is False; head_map expands key/value heads to
+    query heads (GQA).
 
-    Rows of padding index row 0, so an empty x (a batch without keys) gives zeros, which masks then drop.
+    Rows of padding index row 0, a row of some sequence (or of nothing: an empty x, a batch without keys),
+    and are zeroed: masks drop padded positions, but a padded value multiplied at weight 0 would still bring
+    a NaN or infinity of that row into the products of the sequences sharing the bucket (0·NaN = NaN).
     The result is contiguous: torch's CPU matmul takes a different path for a strided operand when G = 1
     than when G > 1, which would make a sequence's bits depend on how many sequences share its bucket.
     """
     if x.shape[0] == 0:
         x = x.new_zeros(1, *x.shape[1:])
-    g = x[rows.flatten()].to(dtype)
+    g = x[rows.flatten()].to(dtype).masked_fill(~valid.reshape(-1, 1, 1), 0)
     if head_map is not None:
         g = g.index_select(1, head_map)
     return g.view(*rows.shape, *g.shape[1:]).permute(0, 2, 1, 3).contiguous()

@@ -43,7 +43,6 @@ from reference.buckets import (
     buckets,
     chunk_sizes,
     chunks,
-    gather_heads,
     head_map,
     reduce_groups,
     scatter_row_heads,
@@ -101,9 +100,9 @@ class _Chunk:
     def __init__(self, bucket: Bucket, inputs, q0, q1, k0, k1):
         q, k, v, hmap, scale = inputs
         self.mask = bucket.visible(q0, q1, k0, k1)
-        self.q = gather_heads(q, bucket.q_rows[:, q0:q1], F64)
-        self.k = gather_heads(k, bucket.kv_rows[:, k0:k1], F64, hmap)
-        self.v = gather_heads(v, bucket.kv_rows[:, k0:k1], F64, hmap)
+        self.q = bucket.queries(q, q0, q1, F64)
+        self.k = bucket.keys(k, k0, k1, F64, hmap)
+        self.v = bucket.keys(v, k0, k1, F64, hmap)
         self.scores = (scale * self.q @ self.k.transpose(-1, -2)).masked_fill(~self.mask, -math.inf)
         # A = scale |Q||K|ᵀ: the magnitude each fp32 logit is computed at (its rounding scales with it).
         # The lse keeps every logit's rounding; P (a difference of logits) loses it for identical keys.
@@ -121,11 +120,6 @@ def _buckets(problem: Problem, inputs):
     for bucket in buckets(problem, q.device):
         bucket.identical_keys = identical_keys(bucket, k, hmap)
         yield bucket
-
-
-def _row_view(x: torch.Tensor, bucket: Bucket, q0: int, q1: int) -> torch.Tensor:
-    """[Hq, rows] per-row data as [G, Hq, chunk] for the bucket's rows q0:q1."""
-    return x[:, bucket.out_rows[:, q0:q1]].permute(1, 0, 2)
 
 
 def reference(q, k, v, problem: Problem, dout: torch.Tensor | None = None, device=None) -> Reference:
@@ -215,9 +209,9 @@ def _backward(result: Reference, r_rows, inputs, dout, problem: Problem, u: floa
     for bucket in _buckets(problem, inputs):
         q_chunk, kv_chunk = chunk_sizes(bucket)
         for q0, q1 in chunks(bucket.q_pad, q_chunk):
-            do = gather_heads(dout, bucket.out_rows[:, q0:q1], F64)
+            do = bucket.output_rows(dout, q0, q1, F64)
             row_lse, row_delta, row_bd, row_ld, row_r = (
-                _row_view(x, bucket, q0, q1).unsqueeze(-1)
+                bucket.row_view(x, q0, q1).unsqueeze(-1)
                 for x in (result.lse, delta, bound_delta, logit_delta, r_rows)
             )
             acc_dq = [0.0, 0.0, 0.0]

@@ -220,3 +220,41 @@ def test_accumulating_scatters_name_each_row_once(monkeypatch):
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     jfa.attention(*leaves, None, kv_off, broadcast_q=True, backend="bf16-model").backward(dout)
     assert scattered.count("scatter_rows") >= 8 and "scatter_row_heads" in scattered  # the checks ran
+
+
+@pytest.mark.parametrize("poisoned", ["q", "k", "v", "dout"])
+def test_padding_reads_no_other_sequence(poisoned):
+    """Padded positions of the buckets index row 0, which belongs to a sequence (q's and dout's to sequence 0,
+    k's and v's to sequence 1: sequence 0 has no keys). With that row NaN, every other sequence's out, lse, dq, dk
+    and dv stay bitwise those of the clean run, in the float64 reference and in the bf16 model alike: a padded
+    value multiplied at weight 0 would carry the NaN into them (found by the nightly seeds, 2026-12-03)."""
+    import jfa
+
+    q_lens, kv_lens = [3, 5, 2], [0, 6, 3]  # pads: q 4, 8, 2; kv 1, 8, 4
+    q, k, v, q_off, kv_off, dout = jagged_inputs(q_lens, kv_lens, 4, 2, 16, 16, seed=5)
+    owner = 1 if poisoned in ("k", "v") else 0
+    q_rows, kv_rows = np.cumsum([0] + q_lens), np.cumsum([0] + kv_lens)
+    tensors = dict(q=q, k=k, v=v, dout=dout)
+    poisoned_tensors = dict(tensors, **{poisoned: tensors[poisoned].clone().index_fill_(0, torch.tensor([0]),
+                                                                                         float("nan"))})
+
+    def model(t):
+        leaves = [t[n].clone().requires_grad_() for n in ("q", "k", "v")]
+        out, lse = jfa.attention(*leaves, q_off, kv_off, causal=True, return_lse=True, backend="bf16-model")
+        grads = torch.autograd.grad(out, leaves, t["dout"])
+        return dict(out=out.detach(), lse=lse.T, dq=grads[0], dk=grads[1], dv=grads[2])
+
+    def exact(t):
+        ref = reference(t["q"], t["k"], t["v"], problem_of(t["q"], t["k"], t["v"], q_off, kv_off, causal=True),
+                        t["dout"])
+        return dict(out=ref.out, lse=ref.lse.T, dq=ref.dq, dk=ref.dk, dv=ref.dv)
+
+    for implementation in (model, exact):
+        clean, dirty = implementation(tensors), implementation(poisoned_tensors)
+        for name in clean:
+            rows = kv_rows if name in ("dk", "dv") else q_rows
+            for seq in set(range(len(q_lens))) - {owner}:
+                a, b = clean[name][rows[seq]:rows[seq + 1]], dirty[name][rows[seq]:rows[seq + 1]]
+                assert torch.equal(a.nan_to_num(), b.nan_to_num()) and not b.isnan().any(), (
+                    f"{implementation.__name__}: NaN in {poisoned}'s row 0 (sequence {owner}) reached {name} of "
+                    f"sequence {seq}")
