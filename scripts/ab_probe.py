@@ -98,9 +98,14 @@ def pass_digests(outputs, grads, unordered_dq: bool) -> dict[str, str]:
     return {"fwd": digest(outputs), "fwd+bwd": digest(grads[1:] if unordered_dq else grads)}
 
 
+def _side(record: dict) -> str:
+    """The side a record was measured on: its tag's part before the colon (base:1 -> base)."""
+    return record["tag"].split(":")[0]
+
+
 def sides(records: list[dict]) -> list[str]:
-    """The sides compared with base (a tag's part before the colon), in the order they were first measured."""
-    return list(dict.fromkeys(r["tag"].split(":")[0] for r in records if not r["tag"].startswith("base:")))
+    """The sides compared with base, in the order they were first measured."""
+    return list(dict.fromkeys(_side(r) for r in records if _side(r) != "base"))
 
 
 def summary(records: list[dict], side: str = "mine", kernel: str | None = None) -> list[str]:
@@ -110,10 +115,9 @@ def summary(records: list[dict], side: str = "mine", kernel: str | None = None) 
     side's records lack it), and the bits."""
     ms, bits, compared = defaultdict(list), defaultdict(set), defaultdict(set)
     for r in records:
-        name = r["tag"].split(":")[0]
+        name = _side(r)
         if name not in ("base", side):
             continue
-        name = "mine" if name == side else name
         if kernel is not None:  # None where the record has no such kernel
             r = dict(r, kernels_ms=sum(v for k, v in r.get("by_kernel", {}).items() if kernel in k) or None)
         for key in ("kernels_ms", "device_ms", "op_ms"):
@@ -121,18 +125,18 @@ def summary(records: list[dict], side: str = "mine", kernel: str | None = None) 
         bits[r["row"], r["op"]].add(r["bits"])
         compared[r["row"], r["op"]].add(r.get("dq_compared", True))
 
-    def mean(row, op, side, key):
-        values = ms.get((row, op, side, key))
+    def mean(row, op, name, key):
+        values = ms.get((row, op, name, key))
         return None if not values or None in values else sum(values) / len(values)
 
     def ratio(row, op, key):
-        base, mine = mean(row, op, "base", key), mean(row, op, "mine", key)
+        base, mine = mean(row, op, "base", key), mean(row, op, side, key)
         return "-" if base is None or mine is None or not base else f"{mine / base:.3f}"
 
     lines = [f"{'row':16s} {'pass':8s} {'base ms':>9s} {side + ' ms':>9s} {side + '/base':>9s} {'device':>7s} "
              f"{'op':>7s}  bits"]
-    for row, op in dict.fromkeys((r["row"], r["op"]) for r in records if r["tag"].split(":")[0] in ("base", side)):
-        b, m = mean(row, op, "base", "kernels_ms"), mean(row, op, "mine", "kernels_ms")
+    for row, op in bits:  # the (row, pass) pairs of base's and side's records, in record order
+        b, m = mean(row, op, "base", "kernels_ms"), mean(row, op, side, "kernels_ms")
         if b is None or m is None:
             missing = "(one side only)" if kernel is None else f"(one side only, or no {kernel} kernel)"
             lines.append(f"{row:16s} {op:8s} {missing:>29s}")

@@ -65,8 +65,12 @@ def test_ab_stage_measures_each_candidate_in_every_round(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, PATH=f"{stub}:{os.environ['PATH']}", OUT=str(out), AB_ROWS="gem tiny", AB_ROUNDS="2",
                AB_MORE="scratch/vK4 scratch/vA")
-    proc = subprocess.run(["bash", "scripts/gpu_session.sh", "ab:scratch/base"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+
+    def ab_stage():
+        return subprocess.run(["bash", "scripts/gpu_session.sh", "ab:scratch/base"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    proc = ab_stage()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     calls = [line.split() for line in (out / "calls.txt").read_text().splitlines()]
     assert [tag for tag, _ in calls] == ["base:1", "mine:1", "vK4:1", "vA:1", "base:2", "mine:2", "vK4:2", "vA:2"]
@@ -79,13 +83,11 @@ def test_ab_stage_measures_each_candidate_in_every_round(tmp_path):
     assert summary[summary.index("vK4 against base") + 2].split()[:5] == ["gem", "fwd", "4.000", "2.000", "0.500"]
 
     env["AB_KERNEL"] = "short_ws"
-    proc = subprocess.run(["bash", "scripts/gpu_session.sh", "ab:scratch/base"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    ab_stage()
     summary = (out / "ab.txt").read_text().splitlines()
     assert summary[summary.index("vK4 against base (short_ws only)") + 2].split()[:5] == [
         "gem", "fwd", "2.000", "0.500", "0.250"]
 
     env["AB_MORE"] = "scratch/mine"
-    proc = subprocess.run(["bash", "scripts/gpu_session.sh", "ab:scratch/base"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = ab_stage()
     assert "AB_MORE: scratch/mine: a candidate's name is its side's, not base or mine" in proc.stdout
