@@ -229,8 +229,8 @@ def _launch_tlx(q, k, v, out, lse, row_max, row_sum, plan: HostPlan, problem: Pr
 # The dK/dV pass (`jfa.tlx.backward`): query rows per block, keys per tile, depth of the Q/dO ring.
 BWD_BLOCK_M, BWD_BLOCK_N, BWD_BUFFERS = 64, 128, 2
 # The short-query pass: every query row of a sequence (the Triton short-query table's BLOCK_M), keys per block
-# (that table's BLOCK_N, by which its tiles are sorted), depths of the K and V rings.
-SHORT_BLOCK_M, SHORT_BLOCK_N, SHORT_K_BUFFERS, SHORT_V_BUFFERS = 128, 64, 3, 2
+# (that table's BLOCK_N, by which its tiles are sorted), depths of the K and V rings (K: two pairs of blocks).
+SHORT_BLOCK_M, SHORT_BLOCK_N, SHORT_K_BUFFERS, SHORT_V_BUFFERS = 128, 64, 4, 2
 _KEY_TABLES: OrderedDict = OrderedDict()
 
 

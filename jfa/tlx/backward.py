@@ -396,7 +396,10 @@ def dq_ws_kernel(
 # other consumer has read consumer c's last dSᵀ (consumer c waits on it before writing the next one).
 # Measured on the broadcast row (H200, 2026-12-01): the statistics read from global memory per block instead
 # of from shared memory made the kernel 1.77 -> 2.15 ms, and the K ring of 4 that the freed shared memory
-# allows won back only 2% of that (2.11 ms).
+# allows won back only 2% of that (2.11 ms). The K ring is 4 deep (2026-12-03): with 3, the second block of
+# pair i + 1 waits until pair i's dq products release K; 4 holds two whole pairs. It fits because the fp32 dq
+# is stored in column quarters (below), whose layout conversion needs a quarter of the scratch: 1.756 -> 1.678
+# ms a call on the broadcast row, the same dk and dv bits (docs/performance-log.md).
 
 
 @triton.jit
@@ -552,7 +555,19 @@ def _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, 
         cols = cid * COLS + tl.arange(0, COLS)
         if DQ_PARTIAL:
             dq_rows = tl.cast(out_start + offs_q, tl.int64) * sdq_t + tl.cast(head, tl.int64) * sdq_h
-            tl.store(DQ + dq_rows[:, None] + cols[None, :], dq, mask=row_ok[:, None])
+            # in four column quarters: the layout conversion of the store goes through shared memory, and a
+            # quarter's needs a quarter of the whole's 16 KB a consumer (what makes the K ring of 4 fit)
+            Q4: tl.constexpr = COLS // 4
+            quarters = tl.permute(tl.reshape(dq, [BLOCK_M, 2, 2, Q4]), [0, 3, 1, 2])
+            half_0, half_1 = tl.split(quarters)  # b = 0, 1 of column a·2·Q4 + b·Q4 + j
+            q00, q10 = tl.split(half_0)
+            q01, q11 = tl.split(half_1)
+            cols_q = cid * COLS + tl.arange(0, Q4)
+            base = DQ + dq_rows[:, None] + cols_q[None, :]
+            tl.store(base, q00, mask=row_ok[:, None])
+            tl.store(base + Q4, q01, mask=row_ok[:, None])
+            tl.store(base + 2 * Q4, q10, mask=row_ok[:, None])
+            tl.store(base + 3 * Q4, q11, mask=row_ok[:, None])
         else:
             dq_rows = tl.cast(q_start + offs_q, tl.int64) * sdq_t + tl.cast(head, tl.int64) * sdq_h
             tl.store(DQ + dq_rows[:, None] + cols[None, :], dq.to(DT), mask=row_ok[:, None])
