@@ -1,6 +1,6 @@
-"""`python -m verify {gate,bisect,report,timeline,same}`: the pre-merge numerical gate, precision-regression
+"""`python -m verify {gate,bisect,report,timeline,same,cases}`: the pre-merge numerical gate, precision-regression
 bisection (for `git bisect run`), the HTML report of one or more results files, where a run's wall time
-went per worker, and whether two runs found the same."""
+went per worker, whether two runs found the same, and which cases of a run took a kernel path (or failed)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 from verify import devices
 
 # name: (module, exit status of a usage error, summary). Only the chosen command's module is imported:
-# gate and bisect run checks or kernels (torch, Triton, seconds to import); timeline, report and same read
+# gate and bisect run checks or kernels (torch, Triton, seconds to import); timeline, report, same and cases read
 # results files only (no torch).
 COMMANDS = {
     "gate": ("verify.gate", 2, "compare a run with the stored baseline of its device (ratchet)"),
@@ -20,6 +20,7 @@ COMMANDS = {
     "report": ("verify.report", 2, "render results files as one self-contained HTML page"),
     "timeline": ("verify.timeline", 2, "where a run's wall time went, per xdist worker"),
     "same": ("verify.same", 2, "whether two runs (or shards against a whole run) found the same, record for record"),
+    "cases": ("verify.cases", 2, "the case ids of a run whose records match (a kernel path, a status), for pytest"),
 }
 NEEDS_TORCH = ("gate", "bisect")
 
