@@ -30,12 +30,17 @@ RUN = [
 ]
 
 
-def run(tmp_path, argv_args, records=RUN, gz=False) -> SimpleNamespace:
-    data = "".join(dumps(r) + "\n" for r in records).encode()
+def arguments(results: list[str], **given) -> SimpleNamespace:
+    """The parsed command line of `verify cases RESULTS`, the options `given` and the others at their defaults."""
+    return SimpleNamespace(**(dict(results=results, backend=None, route=None, status=None, family=None,
+                                   args=False) | given))
+
+
+def run(tmp_path, given: dict, gz=False) -> int:
+    data = "".join(dumps(r) + "\n" for r in RUN).encode()
     path = tmp_path / ("run.jsonl.gz" if gz else "run.jsonl")
     path.write_bytes(gzip.compress(data) if gz else data)
-    parsed = dict(results=[str(path)], backend=None, route=None, status=None, family=None, args=False)
-    return cases.main(SimpleNamespace(**(parsed | argv_args)))
+    return cases.main(arguments([str(path)], **given))
 
 
 @pytest.mark.parametrize("filters, expected", [
@@ -73,8 +78,7 @@ def test_no_match_prints_nothing_on_stdout(tmp_path, capsys):
 
 
 def test_missing_file(tmp_path, capsys):
-    assert cases.main(SimpleNamespace(results=[str(tmp_path / "none.jsonl")], backend=None, route=None,
-                                      status=None, family=None, args=False)) == 2
+    assert cases.main(arguments([str(tmp_path / "none.jsonl")])) == 2
     assert "no such results file" in capsys.readouterr().err
 
 

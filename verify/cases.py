@@ -17,17 +17,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from verify.results import read
-
-STATUSES = ("pass", "fail", "crash", "skip")
-
-
-def routes(record: dict) -> list[str]:
-    """The kernel path names a result record's config gives: its forward path and its backward route."""
-    config = record.get("config")
-    if not isinstance(config, dict):
-        return []
-    return [str(config[key]) for key in ("path", "backward") if key in config]
+from verify.results import STATUS_COLUMNS, read, routes
 
 
 def matches(record: dict, backend: str | None, route: str | None, statuses: list[str] | None,
@@ -35,7 +25,7 @@ def matches(record: dict, backend: str | None, route: str | None, statuses: list
     if record.get("kind") != "result":
         return False
     return ((backend is None or record.get("backend") == backend)
-            and (route is None or any(route in name for name in routes(record)))
+            and (route is None or any(route in name for name in routes(record).values()))
             and (not statuses or record.get("status") in statuses)
             and (not families or record.get("family") in families))
 
@@ -57,7 +47,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--route", metavar="TEXT",
                         help="records whose forward path or backward route contains TEXT, case-sensitive "
                              "(e.g. 'short-query pass')")
-    parser.add_argument("--status", nargs="+", choices=STATUSES, help="records with one of these statuses")
+    parser.add_argument("--status", nargs="+", choices=list(STATUS_COLUMNS), help="records with one of these statuses")
     parser.add_argument("--family", nargs="+", help="records of these families")
     parser.add_argument("--args", action="store_true", help="print `--jfa-case ID` arguments on one line")
 

@@ -163,6 +163,21 @@ def _fmt(value, spec: str = ".3g") -> str:
     return format(value, spec)
 
 
+# A result record's status -> the summary column that counts it.
+STATUS_COLUMNS = {"pass": "passed", "fail": "failed", "skip": "skipped", "crash": "crashed"}
+# The config fields that name the kernels a record's case took, by kind: the forward path, the backward route.
+ROUTE_FIELDS = (("forward", "path"), ("backward", "backward"))
+
+
+def routes(record: dict) -> dict[str, str]:
+    """{kind: name} of the kernel paths a result record's config names (`ROUTE_FIELDS`); empty for other
+    records and for backends that report no config."""
+    config = record.get("config") if record.get("kind") == "result" else None
+    if not isinstance(config, dict):
+        return {}
+    return {kind: config[key] for kind, key in ROUTE_FIELDS if key in config}
+
+
 def summary_rows(records: list[dict]) -> list[dict]:
     """One row per (backend, family): worst statistics over its cases and tensors, and the verdict."""
     groups: dict[tuple, dict] = defaultdict(lambda: dict(bound=0.0, baseline=None, ulp=0.0, bias=0.0, passed=0,
@@ -172,8 +187,7 @@ def summary_rows(records: list[dict]) -> list[dict]:
             continue
         g = groups[(r["backend"], r.get("family", "-"))]
         status = r["status"]
-        key = {"pass": "passed", "fail": "failed", "skip": "skipped", "crash": "crashed"}[status]
-        g[key] += 1
+        g[STATUS_COLUMNS[status]] += 1
         if status in ("fail", "crash"):
             g["failing"].add(r.get("case", "-"))
         stats = r.get("stats") or {}
@@ -211,11 +225,8 @@ def paths_summary(records: list[dict]) -> list[str]:
     cases all say backward "triton" did not test its TLX passes."""
     seen: dict[str, dict[str, dict[str, set]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(set)))
     for r in records:
-        config = r.get("config") if r.get("kind") == "result" else None
-        if isinstance(config, dict):
-            for kind, key in (("forward", "path"), ("backward", "backward")):
-                if key in config:
-                    seen[r["backend"]][kind][config[key]].add(r.get("case"))
+        for kind, name in routes(r).items():
+            seen[r["backend"]][kind][name].add(r.get("case"))
     lines = []
     for backend, kinds in sorted(seen.items()):
         for kind in ("forward", "backward"):
