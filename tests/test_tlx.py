@@ -72,11 +72,12 @@ def test_unavailable_reasons(monkeypatch):
     monkeypatch.setattr(backend, "tlx_missing", lambda: None)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert "CUDA" in backend.BACKEND.unavailable(torch.device("cpu"))
-    for capability, reason in (((9, 0), None), ((8, 0), "no TLX kernel for sm_80 yet"),
-                               ((10, 0), "no TLX kernel for sm_100 yet"), ((12, 0), "no TLX kernel for sm_120 yet")):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for arch, reason in ((90, None), (80, "no TLX kernel for sm_80 yet"), (100, "no TLX kernel for sm_100 yet"),
+                         (120, "no TLX kernel for sm_120 yet")):
+        monkeypatch.setattr(backend, "_device_facts", lambda index, a=arch: (a, 132))
         got = backend.BACKEND.unavailable(torch.device("cuda"))
-        assert got == reason if reason is None else got.startswith(reason), (capability, got)
+        assert got == reason if reason is None else got.startswith(reason), (arch, got)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert "TRITON_INTERPRET" in backend.BACKEND.unavailable(torch.device("cuda"))
 

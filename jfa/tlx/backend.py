@@ -40,6 +40,7 @@ the backward's are the Triton backward's.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
@@ -81,9 +82,20 @@ def tlx_missing() -> str | None:
     return None
 
 
+@functools.cache
+def _device_facts(index: int) -> tuple[int, int]:
+    """(compute capability as major·10 + minor, multiprocessor count) of CUDA device `index`: asked once, since
+    torch's queries cost tens of microseconds of every launch's host time."""
+    props = torch.cuda.get_device_properties(index)
+    return props.major * 10 + props.minor, props.multi_processor_count
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _arch(device: torch.device) -> int:
-    major, minor = torch.cuda.get_device_capability(device)
-    return major * 10 + minor
+    return _device_facts(_device_index(device))[0]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -162,22 +174,26 @@ def pack_block_for(problem: Problem) -> int:
 
 
 def host_plan(problem: Problem, pack_block: int) -> HostPlan:
-    path, reason = route(problem, pack_block)
-    if path != "tlx":
-        return HostPlan(path, reason, None, np.zeros(0, np.int64))
+    """The call's route and, for the TLX path, its tile table; cached per length profile (with the rest of what
+    the route depends on), so a repeated profile costs a dictionary lookup."""
     from jfa.triton.backend import effective_window
 
     window = None if problem.window is None else effective_window(problem)
-    cfg = CONFIGS[problem.head_dim]
 
     def build() -> HostPlan:
+        path, reason = route(problem, pack_block)
+        if path != "tlx":
+            return HostPlan(path, reason, None, np.zeros(0, np.int64))
+        cfg = CONFIGS[problem.head_dim]
         q_lens, kv_lens = problem.q_lens.numpy(), problem.kv_lens.numpy()
         main, tiny = ts.split_packable(q_lens, kv_lens, pack_block)
         tiles = ts.query_tiles(q_lens, kv_lens, main, cfg.block_m, cfg.block_n, window, problem.causal,
                                problem.q_heads)
         return HostPlan(path, reason, tiles, tiny)
 
-    return _cached(_PLANS, (problem.lengths_key, problem.q_heads, window, problem.causal, cfg, pack_block), build)
+    key = (problem.lengths_key, problem.head_dim, problem.head_dim_v, problem.q_heads, window, problem.causal,
+           pack_block)
+    return _cached(_PLANS, key, build)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -197,7 +213,7 @@ def _descriptor(x: torch.Tensor, box_rows: int):
 
 def _persistent_programs(n_tiles: int, device: torch.device) -> int:
     """Grid of a persistent TLX kernel: one CTA per SM (each holds the SM's shared memory), at most one per tile."""
-    return min(n_tiles, torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(n_tiles, _device_facts(_device_index(device))[1])
 
 
 def _launch_tlx(q, k, v, out, lse, row_max, row_sum, plan: HostPlan, problem: Problem) -> None:
