@@ -392,14 +392,19 @@ def dq_ws_kernel(
 # (the same dq, dk and dv on jfa.bench's broadcast row on the H200, in both modes).
 # Barriers: q_full/q_empty (one slot; q_empty takes both consumers' arrivals), k_full/k_empty and v_full/v_empty
 # per ring slot (k_empty: both consumers, after the pair's dq products read the block's K; v_empty: the block's
-# consumer, once dPᵀ retired: V is released a pair earlier than K, so its ring is shorter), ds_free[c]: the
+# consumer, once its dv and dk went out through the slot (below): V is released before the pair's dq products,
+# so its ring is shorter than K's), ds_free[c]: the
 # other consumer has read consumer c's last dSᵀ (consumer c waits on it before writing the next one).
 # Measured on the broadcast row (H200, 2026-12-01): the statistics read from global memory per block instead
 # of from shared memory made the kernel 1.77 -> 2.15 ms, and the K ring of 4 that the freed shared memory
 # allows won back only 2% of that (2.11 ms). The K ring is 4 deep (2026-12-03): with 3, the second block of
 # pair i + 1 waits until pair i's dq products release K; 4 holds two whole pairs. It fits because the fp32 dq
 # is stored in column quarters (below), whose layout conversion needs a quarter of the scratch: 1.756 -> 1.678
-# ms a call on the broadcast row, the same dk and dv bits (docs/performance-log.md).
+# ms a call on the broadcast row, the same dk and dv bits (docs/performance-log.md). dv and dk are stored through
+# the block's V slot, free once dPᵀ retired (2026-12-03): rounded to bf16 in the product's layout, then read back
+# in the global store's, where the store's own conversion ran on fp32 in four rounds of shared-memory scratch
+# with barriers; spill at D 128 444 -> 228 bytes, and 1.670 -> 1.472 ms a call on the broadcast row (the same
+# dk and dv bits).
 
 
 @triton.jit
@@ -509,7 +514,6 @@ def _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, 
                 pt = shifted_exp2((s_raw - m_b[None, :]) * scale_log2) * inv_b[None, :]
                 tlx.barrier_wait(v_full[v_slot], ((kv_count + j) // V_BUFFERS) & 1)
                 dpt = tlx.async_dot_wait(0, tlx.async_dot(v_tiles[v_slot], tlx.local_trans(do_tile[0])))  # dPᵀ
-                tlx.barrier_arrive(v_empty[v_slot], 1)
                 # D of rows past the sequence may never have been written: 0 there (0 · NaN would poison dk).
                 delta = tl.where(row_ok, tlx.local_gather(delta_tile[0], stat_at, 0), 0.0)
                 dst = (pt * (dpt - delta[None, :])).to(DT)
@@ -522,11 +526,18 @@ def _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, 
                 keys = n + tl.arange(0, BLOCK_N)
                 key_ok = keys < kv_len
                 key_rows = tl.cast(kv_start + keys, tl.int64)
+                # dv and dk go to global memory through the block's V slot (dPᵀ has retired): stored there in
+                # bf16 in the product's layout and read back in the store's, one pass where the store's own
+                # layout conversion took four, in fp32
+                tlx.local_store(v_tiles[v_slot], dv.to(DT))
                 tl.store(DV + (key_rows * sdv_t + tl.cast(head, tl.int64) * sdv_h)[:, None] + offs_d[None, :],
-                         dv.to(DT), mask=key_ok[:, None])
+                         tlx.local_load(v_tiles[v_slot]), mask=key_ok[:, None])
                 dk = tlx.async_dot_wait(0, tlx.async_dot(dst, q_tile[0]))
+                tlx.local_store(v_tiles[v_slot], (dk * sm_scale).to(DT))
                 tl.store(DK + (key_rows * sdk_t + tl.cast(head, tl.int64) * sdk_h)[:, None] + offs_d[None, :],
-                         (dk * sm_scale).to(DT), mask=key_ok[:, None])
+                         tlx.local_load(v_tiles[v_slot]), mask=key_ok[:, None])
+                tlx.fence("async_shared")  # the producer's next TMA load into the slot comes after these accesses
+                tlx.barrier_arrive(v_empty[v_slot], 1)
             tlx.named_barrier_wait(DS_READY, CONSUMER_THREADS)  # the pair's dSᵀ tiles are in shared memory
             first = (kv_count + 2 * i) % K_BUFFERS
             dq = tlx.async_dot(tlx.local_trans(ds_tiles[0]),
