@@ -35,8 +35,22 @@ import inspect
 import sys
 from collections.abc import Callable
 
+import torch
 import triton
 from triton.runtime.jit import JITFunction
+
+
+@functools.cache
+def _device_facts(index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.major * 10 + props.minor, props.multi_processor_count
+
+
+def device_facts(device: torch.device) -> tuple[int, int]:
+    """(compute capability as major·10 + minor, multiprocessor count) of a CUDA device, the launches' grid and
+    kernel choice: asked of torch once per device, since its queries cost tens of microseconds of a launch's
+    host time."""
+    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _launch_hooks():

@@ -72,10 +72,9 @@ def test_unavailable_reasons(monkeypatch):
     monkeypatch.setattr(backend, "tlx_missing", lambda: None)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert "CUDA" in backend.BACKEND.unavailable(torch.device("cpu"))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     for arch, reason in ((90, None), (80, "no TLX kernel for sm_80 yet"), (100, "no TLX kernel for sm_100 yet"),
                          (120, "no TLX kernel for sm_120 yet")):
-        monkeypatch.setattr(backend, "_device_facts", lambda index, a=arch: (a, 132))
+        monkeypatch.setattr(backend, "device_facts", lambda device, a=arch: (a, 132))
         got = backend.BACKEND.unavailable(torch.device("cuda"))
         assert got == reason if reason is None else got.startswith(reason), (arch, got)
     monkeypatch.setenv("TRITON_INTERPRET", "1")

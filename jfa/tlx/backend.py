@@ -40,7 +40,6 @@ the backward's are the Triton backward's.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import math
 import os
@@ -51,7 +50,7 @@ import numpy as np
 import torch
 
 from jfa import tile_scheduler as ts
-from jfa.launch import launch_confirmed
+from jfa.launch import device_facts, launch_confirmed
 from jfa.problem import Problem
 
 # Compute capability (major·10 + minor) -> module holding that architecture's `fwd_ws_kernel`.
@@ -82,20 +81,8 @@ def tlx_missing() -> str | None:
     return None
 
 
-@functools.cache
-def _device_facts(index: int) -> tuple[int, int]:
-    """(compute capability as major·10 + minor, multiprocessor count) of CUDA device `index`: asked once, since
-    torch's queries cost tens of microseconds of every launch's host time."""
-    props = torch.cuda.get_device_properties(index)
-    return props.major * 10 + props.minor, props.multi_processor_count
-
-
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def _arch(device: torch.device) -> int:
-    return _device_facts(_device_index(device))[0]
+    return device_facts(device)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -213,7 +200,7 @@ def _descriptor(x: torch.Tensor, box_rows: int):
 
 def _persistent_programs(n_tiles: int, device: torch.device) -> int:
     """Grid of a persistent TLX kernel: one CTA per SM (each holds the SM's shared memory), at most one per tile."""
-    return min(n_tiles, _device_facts(_device_index(device))[1])
+    return min(n_tiles, device_facts(device)[1])
 
 
 def _launch_tlx(q, k, v, out, lse, row_max, row_sum, plan: HostPlan, problem: Problem) -> None:

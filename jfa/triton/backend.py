@@ -37,7 +37,7 @@ import torch
 import triton
 
 from jfa import tile_scheduler as ts
-from jfa.launch import launch_confirmed
+from jfa.launch import device_facts, launch_confirmed
 from jfa.problem import Problem
 from jfa.softmax import ROW_RECORD
 from jfa.triton import backward as bwd_kernels
@@ -278,7 +278,7 @@ def _programs(n_tiles: int, cfg: KernelConfig, schedule: int, device: torch.devi
         return max(1, min(n_tiles, _programs_override))
     if interpreting() or device.type != "cuda":
         return max(1, min(n_tiles, 3))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = device_facts(device)[1]
     return max(1, min(n_tiles, sms * cfg.resident))
 
 
