@@ -18,6 +18,16 @@ that encoding), `prepare` encodes the descriptors itself, in the same function w
 prepared launch calls the driver's launch with the encoded arguments; any other launcher encodes at the
 launch, as before.
 
+Repeated launches. The op launches the same kernels with the same arguments call after call (a training step's
+tensors come back at the same addresses from the caching allocator), and the binding, the specialisation and the
+descriptors' encoding cost ~0.1 ms of each tlx forward+backward. `prepare` keeps the last LAUNCH_CACHE_SIZE
+prepared launches, keyed on the kernel, the grid, the stream and each argument's fingerprint (`_argument_key`:
+what the launcher receives and what picks the specialisation), and a launch whose key it holds skips that work.
+A prepared launch holds device addresses, not tensors, so the cache keeps no memory alive. On `nvidia-h200`
+(a probe script not in the repository: 50 back-to-back forward+backward calls of the bench's broadcast row
+through the op, tlx, 2026-12-03 14:31-14:33 UTC, two runs of two rounds each) the host time fell from 2.50-2.64
+to 2.35-2.49 ms a call.
+
 Triton versions without `triton.knobs` (where the launch hooks it must respect live; 3.6, fbtriton 3.7.4 and
 3.9 have it and launch their JIT functions this way), kernels that are not plain JIT functions (the
 interpreter's, an autotuner) and runs with launch hooks installed (a profiler that wants to see each launch)
@@ -30,9 +40,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import inspect
+import math
 import sys
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -118,35 +131,95 @@ def encoded_descriptors(run, metadata, values: list):
     return direct, flat
 
 
+# Prepared launches by what they encode (`_launch_key`): a call whose arguments fingerprint the same as an earlier
+# one's skips the binding, the specialisation, the cache lookup and the descriptors' encoding; the most recent
+# LAUNCH_CACHE_SIZE are kept.
+_LAUNCHES: OrderedDict = OrderedDict()
+LAUNCH_CACHE_SIZE = 64
+
+
+def _argument_key(value):
+    """What a launch argument contributes to the launch: a tensor its device address and dtype (the kernel gets
+    the address; its alignment and the dtype pick the specialisation), a dataclass (a TensorDescriptor) its fields,
+    a list or tuple its items, any other value its type and value (a float's sign too, since -0.0 == 0.0)."""
+    if isinstance(value, torch.Tensor):
+        return torch.Tensor, value.data_ptr(), value.dtype
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return type(value), tuple(_argument_key(getattr(value, f.name)) for f in dataclasses.fields(value))
+    if isinstance(value, (list, tuple)):
+        return type(value), tuple(map(_argument_key, value))
+    if isinstance(value, float):
+        return float, value, math.copysign(1.0, value)
+    return type(value), value
+
+
+def _launch_key(kernel, grid, stream, args, kwargs):
+    """The key of a prepared launch in `_LAUNCHES`, or None when an argument cannot be hashed."""
+    key = (kernel, tuple(grid), stream, tuple(map(_argument_key, args)),
+           tuple((name, _argument_key(value)) for name, value in kwargs.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _encode(kernel, grid, stream, args, kwargs):
+    """(launcher, function, packed metadata, arguments) of `kernel[grid](*args, **kwargs)`: the runtime's binding,
+    specialisation and cache lookup (a first call's compilation), descriptors encoded where the launcher allows,
+    tensors as their device addresses (the launcher reads a tensor's `data_ptr()` or takes the integer; a cached
+    launch keeps no tensor alive). None when a jit_cache_hook took the compilation over."""
+    compiled = kernel.warmup(*args, grid=grid, **kwargs)
+    if compiled is None:
+        return None
+    if hasattr(compiled, "result"):  # an asynchronous compilation's future
+        compiled = compiled.result()
+    parameters = kernel.signature.parameters
+    values = [*args, *(kwargs[name] if name in kwargs else parameters[name].default
+                       for name in kernel.arg_names[len(args):])]
+    run = compiled.run  # loads the module on a first launch
+    encoded = encoded_descriptors(run, getattr(compiled, "metadata", None), values)
+    if encoded is not None:
+        run, values = encoded
+    values = [value.data_ptr() if isinstance(value, torch.Tensor) else value for value in values]
+    return run, compiled.function, compiled.packed_metadata, values
+
+
 def prepare(kernel, grid: tuple[int, ...], *args, **kwargs) -> Callable[[], None]:
     """A callable that launches `kernel[grid](*args, **kwargs)` on the stream current now, with the runtime's
-    binding, specialisation and cache lookup (and a first call's compilation) done here, ahead of it."""
+    binding, specialisation and cache lookup (and a first call's compilation) done here, ahead of it, or taken
+    from an earlier launch whose arguments fingerprint the same (`_launch_key`)."""
     def usual() -> None:
         kernel[grid](*args, **kwargs)
 
     hooks = _launch_hooks()
     if not isinstance(kernel, JITFunction) or hooks is None or any(map(_installed, hooks)):
         return usual
-    compiled = kernel.warmup(*args, grid=grid, **kwargs)
-    if compiled is None:  # a jit_cache_hook took the compilation over: let the runtime launch as it would
-        return usual
-    if hasattr(compiled, "result"):  # an asynchronous compilation's future
-        compiled = compiled.result()
-    parameters = kernel.signature.parameters
-    values = [*args, *(kwargs[name] if name in kwargs else parameters[name].default
-                       for name in kernel.arg_names[len(args):])]
-    x, y, z = (*grid, 1, 1)[:3]
     stream = _current_stream()
-    run = compiled.run  # loads the module on a first launch
-    function, metadata = compiled.function, compiled.packed_metadata
-    encoded = encoded_descriptors(run, getattr(compiled, "metadata", None), values)
-    if encoded is not None:
-        run, values = encoded
+    key = _launch_key(kernel, grid, stream, args, kwargs)
+    prepared = _cached_launch(key)
+    if prepared is None:
+        prepared = _encode(kernel, grid, stream, args, kwargs)
+        if prepared is None:  # a jit_cache_hook took the compilation over: let the runtime launch as it would
+            return usual
+        if key is not None:
+            _LAUNCHES[key] = prepared
+            while len(_LAUNCHES) > LAUNCH_CACHE_SIZE:
+                _LAUNCHES.popitem(last=False)
+    run, function, metadata, values = prepared
+    x, y, z = (*grid, 1, 1)[:3]
 
     def launch() -> None:
         run(x, y, z, stream, function, metadata, None, None, None, *values)
 
     return launch
+
+
+def _cached_launch(key):
+    if key is None or key not in _LAUNCHES:
+        return None
+    _LAUNCHES.move_to_end(key)
+    return _LAUNCHES[key]
 
 
 def launch_confirmed(problem, kernel, grid: tuple[int, ...], *args, **kwargs) -> None:

@@ -215,3 +215,73 @@ def test_descriptors_are_encoded_when_prepared(jit_kernel, monkeypatch, wraps_th
     else:
         assert driver_calls == [] and len(wrapper_calls) == 1
         assert [type(a).__name__ for a in wrapper_calls[0][-1][:2]] == ["TensorDescriptor", "TensorDescriptor"]
+
+
+def test_a_repeated_launch_skips_the_runtime(jit_kernel):
+    """Arguments that fingerprint the same as an earlier launch's take its binding and encoding: one warmup for
+    two launches of the same arguments, each launched with them; a tensor reaches the launcher as its address."""
+    import torch
+
+    kernel, compiled, warmups = jit_kernel
+    x = torch.arange(4.0)
+    for _ in range(2):
+        launch.prepare(kernel, (3,), x, n=5, scale=0.5, BLOCK=64)()
+    assert len(warmups) == 1
+    assert compiled.launches == 2 * [(3, 1, 1, "stream-0", "function-handle", ("packed",), None, None, None,
+                                      x.data_ptr(), 5, 0.5, 64, 7)]
+
+
+@pytest.mark.parametrize("first,second", [
+    (dict(n=5), dict(n=6)), (dict(scale=0.0), dict(scale=-0.0)), (dict(n=1), dict(n=True)),
+    (dict(BLOCK=64), dict(BLOCK=32)), (dict(num_warps=4), dict(num_warps=8))])
+def test_any_other_argument_is_a_new_launch(jit_kernel, first, second):
+    """A scalar of another value, sign (-0.0 == 0.0 in Python) or type (True == 1), another constexpr or option:
+    the runtime binds the second launch again, and each launches with its own arguments."""
+    kernel, compiled, warmups = jit_kernel
+    base = dict(X=1, n=5, scale=0.5, BLOCK=64)
+    for change in (first, second):
+        launch.prepare(kernel, (2,), **{**base, **change})()
+    assert len(warmups) == 2
+    assert [warmup[2] for warmup in warmups] == [{**base, **first}, {**base, **second}]
+
+
+def test_a_tensor_at_another_address_is_a_new_launch(jit_kernel):
+    import torch
+
+    kernel, compiled, warmups = jit_kernel
+    a, b = torch.zeros(4), torch.zeros(4)
+    for x in (a, b, a):
+        launch.prepare(kernel, (1,), x, n=2, scale=1.0, BLOCK=16)()
+    assert len(warmups) == 2
+    assert [args[9] for args in compiled.launches] == [a.data_ptr(), b.data_ptr(), a.data_ptr()]
+
+
+def test_a_cached_launch_holds_no_tensor(jit_kernel, monkeypatch):
+    """The cache outlives the op's tensors: what it keeps of a launch must not keep their memory allocated."""
+    import torch
+
+    kernel, _, _ = jit_kernel
+    monkeypatch.setattr(launch, "_LAUNCHES", type(launch._LAUNCHES)())
+    x = torch.arange(4.0)
+    launch.prepare(kernel, (1,), x, n=2, scale=1.0, BLOCK=16)
+    (key, prepared), = launch._LAUNCHES.items()
+    held = [*prepared[3], *key[3]]
+    assert x.data_ptr() in prepared[3]
+    assert not any(isinstance(value, torch.Tensor) for value in held)
+
+
+def test_the_cache_keeps_the_most_recent_launches(jit_kernel, monkeypatch):
+    kernel, compiled, warmups = jit_kernel
+    monkeypatch.setattr(launch, "_LAUNCHES", type(launch._LAUNCHES)())
+    monkeypatch.setattr(launch, "LAUNCH_CACHE_SIZE", 2)
+    for n in (1, 2, 1, 3, 2):  # 1 is used again before 3 comes in, so 2 is the one dropped
+        launch.prepare(kernel, (1,), X=0, n=n, scale=1.0, BLOCK=16)()
+    assert [warmup[2]["n"] for warmup in warmups] == [1, 2, 3, 2]
+    assert [args[10] for args in compiled.launches] == [1, 2, 1, 3, 2]
+
+
+def test_unhashable_arguments_are_prepared_every_time(jit_kernel):
+    kernel, compiled, warmups = jit_kernel
+    for _ in range(2):
+        launch.prepare(kernel, (1,), X={"not": "hashable"}, n=1, scale=1.0, BLOCK=16)()
+    assert len(warmups) == 2 and len(compiled.launches) == 2

@@ -37,7 +37,7 @@ import torch
 import triton
 
 from jfa import tile_scheduler as ts
-from jfa.launch import device_facts, launch_confirmed
+from jfa.launch import device_facts, launch_confirmed, prepare
 from jfa.problem import Problem
 from jfa.softmax import ROW_RECORD
 from jfa.triton import backward as bwd_kernels
@@ -491,9 +491,9 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
         n_elem = dq.numel()
         if n_elem:
             partials = problem.batch if problem.broadcast_q else 1
-            bwd_kernels._dq_reduce_kernel[(triton.cdiv(n_elem, DQ_REDUCE_BLOCK),)](
-                dq_target, dq, partials, n_elem, BLOCK=DQ_REDUCE_BLOCK, UNROLL=dq_reduce_unroll(partials),
-                INTERPRET=interpreting(), num_warps=4)
+            prepare(bwd_kernels._dq_reduce_kernel, (triton.cdiv(n_elem, DQ_REDUCE_BLOCK),),
+                    dq_target, dq, partials, n_elem, BLOCK=DQ_REDUCE_BLOCK, UNROLL=dq_reduce_unroll(partials),
+                    INTERPRET=interpreting(), num_warps=4)()
     return dq, dk, dv
 
 
@@ -512,9 +512,9 @@ def _row_stats(row_max, row_sum, stats, scale=None, delta=None) -> None:
     """`_row_stats_kernel` over every row of the residuals ([Hq, rows] each): given `delta`, the dK/dV kernel's
     records into `stats` ([Hq, rows, ROW_RECORD]); else m_safe into `stats` and 2^-24/l into `scale`."""
     n, block = row_max.numel(), 1024
-    bwd_kernels._row_stats_kernel[(triton.cdiv(n, block),)](
-        row_max, row_sum, row_max if delta is None else delta, stats, stats if scale is None else scale, n,
-        RECORDS=delta is not None, BLOCK=block, num_warps=4)
+    prepare(bwd_kernels._row_stats_kernel, (triton.cdiv(n, block),),
+            row_max, row_sum, row_max if delta is None else delta, stats, stats if scale is None else scale, n,
+            RECORDS=delta is not None, BLOCK=block, num_warps=4)()
 
 
 def backward_statistics(row_max, row_sum) -> tuple[torch.Tensor, torch.Tensor]:
@@ -528,9 +528,9 @@ def backward_statistics(row_max, row_sum) -> tuple[torch.Tensor, torch.Tensor]:
 def _delta(out, dout, delta, problem: Problem) -> None:
     """D = rowsum(dO∘O) of every output row into `delta` ([Hq, rows] fp32), for passes that read it."""
     rows, block = problem.out_rows, 64
-    bwd_kernels._delta_kernel[(triton.cdiv(rows, block), problem.q_heads)](
-        out, dout, delta, rows, *out.stride(), *dout.stride(), delta.stride(0), HEAD_DIM_V=problem.head_dim_v,
-        BLOCK_DV=padded_dim(problem.head_dim_v), BLOCK=block, num_warps=4)
+    prepare(bwd_kernels._delta_kernel, (triton.cdiv(rows, block), problem.q_heads),
+            out, dout, delta, rows, *out.stride(), *dout.stride(), delta.stride(0), HEAD_DIM_V=problem.head_dim_v,
+            BLOCK_DV=padded_dim(problem.head_dim_v), BLOCK=block, num_warps=4)()
 
 
 def interpreted_consistently() -> bool:
