@@ -549,6 +549,35 @@ def test_row_records_after_a_given_dq_pass_match_the_dq_kernels():
                          short_pass=no_pass)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("partials", [1, 5, 33])  # the three loads-per-step regimes of dq_reduce_unroll
+def test_dq_reduction_adds_the_partials_in_order(partials):
+    """`_dq_reduce_kernel` with the backward's unroll: each element the fp32 sum of its partials in sequence order
+    (a tail step's masked loads add nothing), bitwise, whatever the number of loads in flight. Stored as fp32 here
+    (the op's bf16 rounding would hide the order); values of mixed signs and magnitudes, so that another order
+    sums differently."""
+    from jfa.triton import backend
+    from jfa.triton import backward as kernels
+
+    n_elem = backend.DQ_REDUCE_BLOCK + 37  # a second, partly masked program
+    gen = torch.Generator().manual_seed(partials)
+    parts = torch.randn(partials, n_elem, generator=gen) * torch.exp2(torch.randint(-12, 12, (partials, n_elem),
+                                                                                  generator=gen).float())
+    want = torch.zeros(n_elem)
+    for part in parts:  # fp32 additions in sequence order
+        want += part
+    got = torch.empty(n_elem)
+    kernels._dq_reduce_kernel[(triton.cdiv(n_elem, backend.DQ_REDUCE_BLOCK),)](
+        parts.reshape(-1), got, partials, n_elem, BLOCK=backend.DQ_REDUCE_BLOCK,
+        UNROLL=backend.dq_reduce_unroll(partials), INTERPRET=True, num_warps=4)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if partials > 1:  # the check can tell orders apart: the reversed order's sum differs somewhere
+        reversed_sum = torch.zeros(n_elem)
+        for part in parts.flip(0):
+            reversed_sum += part
+        assert not torch.equal(reversed_sum, want)
+
+
 @triton.jit
 def _block_ranges_kernel(args, out, n, window, BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr,
                          CAUSAL: tl.constexpr):

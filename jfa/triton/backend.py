@@ -501,11 +501,16 @@ DQ_REDUCE_BLOCK = 512  # elements per program of `_dq_reduce_kernel`
 
 
 def dq_reduce_unroll(partials: int) -> int:
-    """Partials `_dq_reduce_kernel` loads per step: 8 in flight for broadcast_q's one per sequence; 1 for a single
-    one (the fp32 dq beside a dK/dV pass that adds it), where the 7 other loads are all masked and still cost
-    (H200, one launch on gem's 367 M elements: 0.787 ms with 8, 0.568 ms with 1; broadcast's 1024 partials of 65 k
-    elements: 0.112 ms with 8, 0.241 with 1; the same bits, since the order of the additions is the same)."""
-    return 8 if partials > 1 else 1
+    """Partials `_dq_reduce_kernel` loads per step (the order of the additions, and so the bits, the same for any):
+    1 for a single one (the fp32 dq beside a dK/dV pass that adds it), where further loads would all be masked and
+    still cost (H200, one launch on gem's 367 M elements: 0.787 ms with 8, 0.568 ms with 1); for broadcast_q's one
+    per sequence, 32 in flight from 32 sequences on, 8 below (the tail's masked loads). Broadcast's 1024 partials of
+    65 k elements (H200, 2026-12-03 15:03 UTC, `triton.testing.do_bench` over BLOCK 128-1024, 1-8 warps and 8, 16,
+    32 loads, every config the same bits): 0.241 ms with 1, 0.115 with 8, 0.097 with 32 under fbtriton 3.7.4
+    (the tlx backend's); 0.112 with 8, 0.106 with 32 on stock triton 3.6."""
+    if partials == 1:
+        return 1
+    return 32 if partials >= 32 else 8
 
 
 def _row_stats(row_max, row_sum, stats, scale=None, delta=None) -> None:

@@ -111,7 +111,7 @@ def variants(quick: bool = False, head_dims: list[tuple[int, int]] | None = None
                 out += role_variants("packed_fwd", cfg.packed_fwd, d, dv, dt, causal, window, redo=True)
     out += [Variant(f"dq_reduce unroll={unroll} {dt}", "_dq_reduce_kernel", {"Part": "fp32", "DQ": dt},
                     dict(BLOCK=backend.DQ_REDUCE_BLOCK, UNROLL=unroll, INTERPRET=False), 4, 2)
-            for unroll in sorted({backend.dq_reduce_unroll(n) for n in (1, 2)}) for dt in dtypes]
+            for unroll in sorted({backend.dq_reduce_unroll(n) for n in (1, 2, 32)}) for dt in dtypes]
     out += [Variant(f"delta dv={dv} {dt}", "_delta_kernel", {"Out": dt, "DOut": dt, "Delta": "fp32"},
                     dict(HEAD_DIM_V=dv, BLOCK_DV=backend.padded_dim(dv), BLOCK=64), 4, 2)
             for dv in sorted({dv for _, dv in dims}) for dt in dtypes]
