@@ -45,6 +45,7 @@ import functools
 import inspect
 import math
 import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -135,6 +136,7 @@ def encoded_descriptors(run, metadata, values: list):
 # one's skips the binding, the specialisation, the cache lookup and the descriptors' encoding; the most recent
 # LAUNCH_CACHE_SIZE are kept.
 _LAUNCHES: OrderedDict = OrderedDict()
+_LAUNCHES_LOCK = threading.Lock()  # the op may be called from several threads; an OrderedDict's moves are not atomic
 LAUNCH_CACHE_SIZE = 64
 
 
@@ -203,9 +205,10 @@ def prepare(kernel, grid: tuple[int, ...], *args, **kwargs) -> Callable[[], None
         if prepared is None:  # a jit_cache_hook took the compilation over: let the runtime launch as it would
             return usual
         if key is not None:
-            _LAUNCHES[key] = prepared
-            while len(_LAUNCHES) > LAUNCH_CACHE_SIZE:
-                _LAUNCHES.popitem(last=False)
+            with _LAUNCHES_LOCK:
+                _LAUNCHES[key] = prepared
+                while len(_LAUNCHES) > LAUNCH_CACHE_SIZE:
+                    _LAUNCHES.popitem(last=False)
     run, function, metadata, values = prepared
     x, y, z = (*grid, 1, 1)[:3]
 
@@ -216,10 +219,13 @@ def prepare(kernel, grid: tuple[int, ...], *args, **kwargs) -> Callable[[], None
 
 
 def _cached_launch(key):
-    if key is None or key not in _LAUNCHES:
+    if key is None:
         return None
-    _LAUNCHES.move_to_end(key)
-    return _LAUNCHES[key]
+    with _LAUNCHES_LOCK:
+        prepared = _LAUNCHES.get(key)
+        if prepared is not None:
+            _LAUNCHES.move_to_end(key)
+    return prepared
 
 
 def launch_confirmed(problem, kernel, grid: tuple[int, ...], *args, **kwargs) -> None:

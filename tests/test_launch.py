@@ -280,6 +280,38 @@ def test_the_cache_keeps_the_most_recent_launches(jit_kernel, monkeypatch):
     assert [args[10] for args in compiled.launches] == [1, 2, 1, 3, 2]
 
 
+def test_the_cache_under_threads_launches_what_each_asked(jit_kernel, monkeypatch):
+    """Threads preparing launches at once, the cache smaller than their keys so that lookups, insertions and
+    evictions interleave: no error, and every launch gets its own arguments."""
+    import threading
+
+    kernel, compiled, _ = jit_kernel
+    monkeypatch.setattr(launch, "_LAUNCHES", type(launch._LAUNCHES)())
+    monkeypatch.setattr(launch, "LAUNCH_CACHE_SIZE", 3)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+    errors = []
+
+    def work(first):
+        try:
+            for i in range(400):
+                n = (first + i) % 7
+                launch.prepare(kernel, (1,), X=0, n=n, scale=1.0, BLOCK=16)()
+        except Exception as error:  # noqa: BLE001 - the test reports what any thread raised
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert sorted(args[10] for args in compiled.launches) == sorted((t + i) % 7 for t in range(6) for i in range(400))
+
+
 def test_unhashable_arguments_are_prepared_every_time(jit_kernel):
     kernel, compiled, warmups = jit_kernel
     for _ in range(2):
