@@ -23,7 +23,8 @@ tensors come back at the same addresses from the caching allocator), and the bin
 descriptors' encoding cost ~0.1 ms of each tlx forward+backward. `prepare` keeps the last LAUNCH_CACHE_SIZE
 prepared launches, keyed on the kernel, the grid, the stream and each argument's fingerprint (`_argument_key`:
 what the launcher receives and what picks the specialisation), and a launch whose key it holds skips that work.
-A prepared launch holds device addresses, not tensors, so the cache keeps no memory alive. On `nvidia-h200`
+A prepared launch holds device addresses, not tensors, and one whose descriptors the launcher encodes itself
+(so they stay objects holding their tensors) is not kept: the cache keeps no memory alive. On `nvidia-h200`
 (a probe script not in the repository: 50 back-to-back forward+backward calls of the bench's broadcast row
 through the op, tlx, 2026-12-03 14:31-14:33 UTC, two runs of two rounds each) the host time fell from 2.50-2.64
 to 2.35-2.49 ms a call.
@@ -169,8 +170,8 @@ def _launch_key(kernel, grid, stream, args, kwargs):
 def _encode(kernel, grid, stream, args, kwargs):
     """(launcher, function, packed metadata, arguments) of `kernel[grid](*args, **kwargs)`: the runtime's binding,
     specialisation and cache lookup (a first call's compilation), descriptors encoded where the launcher allows,
-    tensors as their device addresses (the launcher reads a tensor's `data_ptr()` or takes the integer; a cached
-    launch keeps no tensor alive). None when a jit_cache_hook took the compilation over."""
+    tensors as their device addresses (the launcher reads a tensor's `data_ptr()` or takes the integer). None when
+    a jit_cache_hook took the compilation over."""
     compiled = kernel.warmup(*args, grid=grid, **kwargs)
     if compiled is None:
         return None
@@ -204,7 +205,9 @@ def prepare(kernel, grid: tuple[int, ...], *args, **kwargs) -> Callable[[], None
         prepared = _encode(kernel, grid, stream, args, kwargs)
         if prepared is None:  # a jit_cache_hook took the compilation over: let the runtime launch as it would
             return usual
-        if key is not None:
+        # A descriptor the launcher encodes itself stays an object holding its tensor: such a launch is not
+        # kept, so that the cache holds no memory.
+        if key is not None and not any(type(value).__name__ == "TensorDescriptor" for value in prepared[3]):
             with _LAUNCHES_LOCK:
                 _LAUNCHES[key] = prepared
                 while len(_LAUNCHES) > LAUNCH_CACHE_SIZE:

@@ -187,6 +187,7 @@ def test_descriptors_are_encoded_when_prepared(jit_kernel, monkeypatch, wraps_th
     the driver's launch encodes them when prepared (before `confirm()`) and hands the driver the encoded
     arguments at the launch. Any other launcher keeps its own launch, which encodes then."""
     kernel, compiled, _ = jit_kernel
+    monkeypatch.setattr(launch, "_LAUNCHES", type(launch._LAUNCHES)())
     encodings, driver_calls, wrapper_calls = [], [], []
 
     def driver_launch(*args):
@@ -215,6 +216,8 @@ def test_descriptors_are_encoded_when_prepared(jit_kernel, monkeypatch, wraps_th
     else:
         assert driver_calls == [] and len(wrapper_calls) == 1
         assert [type(a).__name__ for a in wrapper_calls[0][-1][:2]] == ["TensorDescriptor", "TensorDescriptor"]
+    # Only encoded descriptors are cached: unencoded ones would keep their tensors alive in the cache.
+    assert len(launch._LAUNCHES) == (1 if wraps_the_driver else 0)
 
 
 def test_a_repeated_launch_skips_the_runtime(jit_kernel):
