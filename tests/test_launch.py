@@ -259,6 +259,32 @@ def test_a_tensor_at_another_address_is_a_new_launch(jit_kernel):
     assert [args[9] for args in compiled.launches] == [a.data_ptr(), b.data_ptr(), a.data_ptr()]
 
 
+def test_a_descriptor_is_fingerprinted_by_its_fields():
+    """Triton's TensorDescriptor (a dataclass) fingerprints by its fields: the same tensor, shape, strides, box and
+    padding give the same launch key; another of any of them, or another tensor address, another key; the key
+    holds the address, not the tensor."""
+    import torch
+    from triton.tools.tensor_descriptor import TensorDescriptor as Descriptor
+
+    a, b = torch.zeros(64, 128), torch.zeros(64, 128)
+
+    def key(base=a, shape=(64, 128), strides=(128, 1), block=(32, 128), padding="zero"):
+        descriptor = Descriptor(base, shape=list(shape), strides=list(strides), block_shape=list(block),
+                                padding=padding)
+        return launch._launch_key("kernel", (1,), "stream-0", (descriptor, 2), {"BLOCK": 16})
+
+    changes = [dict(block=(16, 128)), dict(shape=(32, 128)), dict(strides=(256, 1)), dict(padding="nan"),
+               dict(base=b)]
+    keys = [key(), key(), *(key(**change) for change in changes)]
+    assert keys[0] == keys[1]
+    assert len(set(keys)) == 1 + len(changes)
+
+    def held(value):
+        return [x for item in value for x in held(item)] if isinstance(value, tuple) else [value]
+
+    assert a.data_ptr() in held(keys[0]) and not any(isinstance(x, torch.Tensor) for x in held(keys[0]))
+
+
 def test_a_cached_launch_holds_no_tensor(jit_kernel, monkeypatch):
     """The cache outlives the op's tensors: what it keeps of a launch must not keep their memory allocated."""
     import torch
