@@ -17,11 +17,13 @@ once: q, k, v, out, lse forward; q, k, v, out, dout, lse read and dq, dk, dv wri
 rate as a share of the device's copy rate (a 1 GiB device-to-device copy timed at the start of the run),
 per row the memory roofline (the traffic's time at the copy rate, and the ratio to torch-varlen of a kernel
 that took no longer: beyond it only by moving bytes faster than a copy does), peak extra memory
-(torch.cuda.max_memory_allocated minus inputs and outputs), the forward's device time (its kernels and
-copies, torch.profiler over five back-to-back calls after a warm-up call and a first recorded one, left out)
-and the GPU's idle time per call among them (what it waited for the host: the op's one wait for the offsets,
-then its host work until the launch), and the mean SM clock of each timing (NVML): under sustained load the
-H200 lowers its clock, more for a kernel that keeps the tensor cores busier, so a time is read beside its clock.
+(torch.cuda.max_memory_allocated minus inputs and outputs), the device time of the forward and of the
+forward+backward (their kernels and copies, torch.profiler over five back-to-back calls after a warm-up call and
+a first recorded one, left out) and the GPU's idle time per call among them (what it waited for the host: the
+op's one wait for the offsets, then its host work until the launch; in the forward+backward also the backward's
+host work and the autograd engine's, where they outlast the forward's kernels), and the mean SM clock of each
+timing (NVML): under sustained load the H200 lowers its clock, more for a kernel that keeps the tensor cores
+busier, so a time is read beside its clock.
 --json writes everything with the environment (GPU, driver, CUDA, torch, triton versions, date).
 """
 
@@ -349,7 +351,7 @@ def _print_record(r):
 def print_table(results) -> None:
     head = (f"{'row':9s} {'backend':13s} {'fwd ms':>8s} {'TF/s':>6s} {'xFA2':>5s} {'bwd ms':>8s} {'TF/s':>6s} "
             f"{'xFA2':>5s} {'fwd GB/s':>8s} {'bwd GB/s':>8s} {'copy% f/b':>9s} {'extra MiB f/fb':>15s} "
-            f"{'fwd dev ms':>10s} {'idle':>6s} {'MHz f/fb':>9s}")
+            f"{'dev ms f/fb':>13s} {'idle f/fb':>11s} {'MHz f/fb':>9s}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -364,10 +366,11 @@ def print_table(results) -> None:
         copy = f"{100 * r['fwd_copy_share']:.0f}/{100 * r['bwd_copy_share']:.0f}"
         clocks = "/".join("-" if r.get(f"{key}_sm_mhz") is None else f"{r[f'{key}_sm_mhz']:.0f}"
                           for key in ("fwd", "fwdbwd"))
+        device = f"{r['fwd_device_ms']:.3f}/{r['fwdbwd_device_ms']:.3f}"
+        idle = f"{r['fwd_idle_ms']:.3f}/{r['fwdbwd_idle_ms']:.3f}"
         print(f"{r['row']:9s} {r['backend']:13s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:6.1f} {ratio('fwd_vs_varlen')} "
               f"{r['bwd_ms']:8.3f} {r['bwd_tflops']:6.1f} {ratio('bwd_vs_varlen')} {r['fwd_gbps']:8.0f} "
-              f"{r['bwd_gbps']:8.0f} {copy:>9s} {extra:>15s} {r['fwd_device_ms']:10.3f} {r['fwd_idle_ms']:6.3f} "
-              f"{clocks:>9s}")
+              f"{r['bwd_gbps']:8.0f} {copy:>9s} {extra:>15s} {device:>13s} {idle:>11s} {clocks:>9s}")
 
 
 def print_rooflines(results, copy_gbps: float) -> None:
@@ -405,10 +408,11 @@ def main(argv=None) -> int:
     print(f"{env['gpu']}  driver {env['driver']}  CUDA {env['cuda']}  torch {env['torch']}  triton {env['triton']}  "
           f"{args.dtype} D={args.head_dim} causal={args.causal} window={args.window}", flush=True)
     print("TFLOP/s count visible pairs only: forward 4·pairs·D per head, backward 2.5x that; "
-          "backward time = (fwd+bwd) - fwd; xFA2 = torch-varlen time / this time; fwd dev ms = the forward's "
-          "kernels and copies (profiler); idle = the GPU's idle time per call between them over back-to-back "
-          "calls (profiler timeline: what it waited for the host); MHz f/fb = the mean SM clock during the "
-          "forward and the forward+backward timings (NVML; '-' without pynvml).", flush=True)
+          "backward time = (fwd+bwd) - fwd; xFA2 = torch-varlen time / this time; dev ms f/fb = the kernels and "
+          "copies of a forward and of a forward+backward (profiler); idle f/fb = the GPU's idle time per call "
+          "between them over back-to-back calls (profiler timeline: what it waited for the host); MHz f/fb = the "
+          "mean SM clock during the forward and the forward+backward timings (NVML; '-' without pynvml).",
+          flush=True)
     copy_gbps = copy_rate_gbps()
     results = []
     for row in args.rows:

@@ -8,10 +8,11 @@ from jfa import bench
 
 
 def test_derived_figures_and_table(capsys):
-    """Backward is the difference of the two timings; rates follow from them; the forward's device time and
-    the SM clocks (one not read) reach the table."""
+    """Backward is the difference of the two timings; rates follow from them; both timings' device and idle
+    times and SM clocks (one not read) reach the table."""
     record = {"row": "gem", "backend": "triton", "fwd_flops": 4e12, "bwd_flops": 1e13, "fwd_ms": 2.0,
-              "fwdbwd_ms": 7.0, "fwd_device_ms": 1.625, "fwd_idle_ms": 0.25, "fwd_extra_bytes": 2**20,
+              "fwdbwd_ms": 7.0, "fwd_device_ms": 1.625, "fwd_idle_ms": 0.25, "fwdbwd_device_ms": 6.5,
+              "fwdbwd_idle_ms": 0.375, "fwd_extra_bytes": 2**20,
               "fwdbwd_extra_bytes": 3 * 2**20, "fwd_sm_mhz": 1851.4, "fwdbwd_sm_mhz": None}
     bench.derive(record, fwd_bytes=4e9, bwd_bytes=1e10, copy_gbps=4000.0)
     assert record["bwd_ms"] == 5.0
@@ -23,7 +24,7 @@ def test_derived_figures_and_table(capsys):
     bench.print_table([record])
     line = capsys.readouterr().out.splitlines()[-1].split()
     assert line[:2] == ["gem", "triton"] and line[2] == "2.000" and line[5] == "5.000"
-    assert line[-3:] == ["1.625", "0.250", "1851/-"] and line[-5] == "50/50"
+    assert line[-3:] == ["1.625/6.500", "0.250/0.375", "1851/-"] and line[-5] == "50/50"
 
 
 def test_idle_time_is_the_uncovered_part_of_the_span():
