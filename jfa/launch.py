@@ -147,7 +147,8 @@ _SCALAR_TYPES = frozenset({int, bool, str, type(None)})
 @functools.cache
 def _field_names(kind: type) -> tuple[str, ...] | None:
     """The field names of a dataclass type (a TensorDescriptor), None for any other type: read once per type, as
-    `dataclasses.fields` for every descriptor of every launch cost ~0.1 ms of the tlx short-query pass's launch."""
+    `dataclasses.fields` for every descriptor of every launch made most of the tlx short-query launch's key (140 µs
+    of it on the CI machine's CPU, 35 µs without)."""
     if dataclasses.is_dataclass(kind):
         return tuple(field.name for field in dataclasses.fields(kind))
     return None
