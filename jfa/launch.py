@@ -108,6 +108,12 @@ def _parameter_count(fn) -> int:
     return len(inspect.signature(fn).parameters)
 
 
+def _is_descriptor(value) -> bool:
+    """Whether a launch argument is a TMA descriptor (Triton's `TensorDescriptor`, told by its class name: stock
+    triton's and fbtriton's are different classes)."""
+    return type(value).__name__ == "TensorDescriptor"
+
+
 def encoded_descriptors(run, metadata, values: list):
     """(launcher, values) with `values`' TensorDescriptor arguments encoded now: a copy of the launcher `run`
     that calls the driver's launch directly, and the arguments as fbtriton's wrapper would pass it (each
@@ -124,7 +130,7 @@ def encoded_descriptors(run, metadata, values: list):
         return None
     flat, meta = [], iter(descriptor_meta)
     for value in values:
-        if type(value).__name__ == "TensorDescriptor":
+        if _is_descriptor(value):
             flat.extend(encode(value, next(meta), None))
         else:
             flat.append(value)
@@ -225,7 +231,7 @@ def prepare(kernel, grid: tuple[int, ...], *args, **kwargs) -> Callable[[], None
             return usual
         # A descriptor the launcher encodes itself stays an object holding its tensor: such a launch is not
         # kept, so that the cache holds no memory.
-        if key is not None and not any(type(value).__name__ == "TensorDescriptor" for value in prepared[3]):
+        if key is not None and not any(map(_is_descriptor, prepared[3])):
             with _LAUNCHES_LOCK:
                 _LAUNCHES[key] = prepared
                 while len(_LAUNCHES) > LAUNCH_CACHE_SIZE:
