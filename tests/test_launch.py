@@ -39,7 +39,7 @@ def _empty_chain(reversed_order=False):
 @pytest.fixture(params=["none", "empty-chain", "as-installed"])
 def jit_kernel(monkeypatch, request):
     """A JIT kernel whose warmup returns a recording stand-in, with no launch hook set: the slots None, empty
-    hook chains, or left as the installed Triton has them."""
+    hook chains, or left as the installed Triton has them; and an empty launch cache of the test's own."""
     kernel = JITFunction(_kernel_source)
     compiled = _Compiled()
     warmups = []
@@ -50,6 +50,7 @@ def jit_kernel(monkeypatch, request):
 
     monkeypatch.setattr(kernel, "warmup", warmup)
     monkeypatch.setattr(launch, "_current_stream", lambda: "stream-0")
+    monkeypatch.setattr(launch, "_LAUNCHES", type(launch._LAUNCHES)())
     if request.param != "as-installed":
         empty = request.param == "empty-chain"
         monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", _empty_chain() if empty else None)
@@ -187,7 +188,6 @@ def test_descriptors_are_encoded_when_prepared(jit_kernel, monkeypatch, wraps_th
     the driver's launch encodes them when prepared (before `confirm()`) and hands the driver the encoded
     arguments at the launch. Any other launcher keeps its own launch, which encodes then."""
     kernel, compiled, _ = jit_kernel
-    monkeypatch.setattr(launch, "_LAUNCHES", type(launch._LAUNCHES)())
     encodings, driver_calls, wrapper_calls = [], [], []
 
     def driver_launch(*args):
@@ -285,12 +285,11 @@ def test_a_descriptor_is_fingerprinted_by_its_fields():
     assert a.data_ptr() in held(keys[0]) and not any(isinstance(x, torch.Tensor) for x in held(keys[0]))
 
 
-def test_a_cached_launch_holds_no_tensor(jit_kernel, monkeypatch):
+def test_a_cached_launch_holds_no_tensor(jit_kernel):
     """The cache outlives the op's tensors: what it keeps of a launch must not keep their memory allocated."""
     import torch
 
     kernel, _, _ = jit_kernel
-    monkeypatch.setattr(launch, "_LAUNCHES", type(launch._LAUNCHES)())
     x = torch.arange(4.0)
     launch.prepare(kernel, (1,), x, n=2, scale=1.0, BLOCK=16)
     (key, prepared), = launch._LAUNCHES.items()
@@ -301,7 +300,6 @@ def test_a_cached_launch_holds_no_tensor(jit_kernel, monkeypatch):
 
 def test_the_cache_keeps_the_most_recent_launches(jit_kernel, monkeypatch):
     kernel, compiled, warmups = jit_kernel
-    monkeypatch.setattr(launch, "_LAUNCHES", type(launch._LAUNCHES)())
     monkeypatch.setattr(launch, "LAUNCH_CACHE_SIZE", 2)
     for n in (1, 2, 1, 3, 2):  # 1 is used again before 3 comes in, so 2 is the one dropped
         launch.prepare(kernel, (1,), X=0, n=n, scale=1.0, BLOCK=16)()
@@ -315,7 +313,6 @@ def test_the_cache_under_threads_launches_what_each_asked(jit_kernel, monkeypatc
     import threading
 
     kernel, compiled, _ = jit_kernel
-    monkeypatch.setattr(launch, "_LAUNCHES", type(launch._LAUNCHES)())
     monkeypatch.setattr(launch, "LAUNCH_CACHE_SIZE", 3)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
