@@ -6,8 +6,15 @@ A *tile* is one work item of a kernel. Ordinary sequences are cut into blocks al
 - key tiles (dK/dV): (sequence, key block start, key/value head); work = query blocks that see it, times
   the query heads of the group.
 Tables hold one *entry* (sequence, block start) per block, sorted by work descending (stable, so ties keep
-sequence order); tile t of a kernel is entry t // heads, head t % heads (the heads of an entry are
-adjacent, so the query heads of a GQA group run together and share their key/value blocks in L2).
+sequence order). A table of n entries and H heads has n·H tiles, ordered in one of two ways (`tile_at`, on
+the device, and `TileTable.tile`, its host twin):
+- heads adjacent (the Triton kernels): tile t is entry t // H, head t % H;
+- head-major within runs (the TLX kernels): a *run* is a maximal stretch of at least HEAD_MAJOR_MIN_RUN
+  adjacent entries of one sequence (its blocks of equal work: all of them without a mask); any other entry
+  is a run of its own. The run of L entries from entry s owns tiles [s·H, (s + L)·H) and deals them head by
+  head: tile s·H + u is entry s + u % L, head u // L (L = 1: heads adjacent). The programs running at once
+  then take many blocks of one (sequence, head) rather than every head of a few blocks, so each key/value
+  (or query) block is read by more of them while it sits in L2 (see HEAD_MAJOR_MIN_RUN for the figures).
 
 Tiles are dealt to persistent programs in one of three ways (the kernels implement them; the functions
 below are the host reference the tests compare against):
@@ -42,12 +49,23 @@ grid axis ever exceeds 65,535 because the kernels are persistent over a 1-D grid
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
+import triton
+import triton.language as tl
 
 from jfa.block_info import kv_block_range_np, q_block_range_np
 
 STATIC, DYNAMIC, GRID = 0, 1, 2
+# The shortest run of a sequence's blocks whose tiles the TLX kernels deal head-major. Measured on the H200
+# (bf16, D 128, jfa.bench rows, 2026-12-03, docs/performance-log.md): head-major runs of 32 blocks (long row,
+# 16 heads) took 0.97x the device time of heads adjacent in the forward and 0.96x in the forward+backward, runs
+# of 256 (skew row's long sequence) 0.96x and 0.97x; runs of 4-8 (GEM-like, 4 heads) made the forward 1.06x
+# slower. There a sequence's heads fit in one wave of programs either way, and its last, partly filled block
+# (a cheaper tile: one consumer idles) recurs every L tiles instead of H together, which the static zigzag
+# dealing balances worse (`zigzag_assignment`'s makespan with that tile 0.5-0.8x the cost: +0.5-1.6%).
+HEAD_MAJOR_MIN_RUN = 16
 SCHEDULES = {"static": STATIC, "dynamic": DYNAMIC, "grid": GRID}
 PACK_ALIGN = 16  # packed slots start at multiples of this (the MMA's reduction granularity)
 
@@ -68,10 +86,50 @@ class TileTable:
     def n_tiles(self) -> int:
         return self.n_entries * self.heads
 
-    def tile(self, t: int) -> tuple[int, int, int]:
-        """(sequence, block start, head) of tile t, as the kernels decode it."""
+    @cached_property
+    def run_rows(self) -> np.ndarray:
+        """int32 [n, 4]: each entry with the first entry and the length of its run, the rows `tile_at` reads
+        with RUNS."""
+        seq = self.entries[:, 0]
+        firsts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]]) if seq.size else np.zeros(0, np.int64)
+        lengths = np.diff(np.r_[firsts, seq.size])
+        first, length = np.repeat(firsts, lengths), np.repeat(lengths, lengths)
+        alone = length < HEAD_MAJOR_MIN_RUN
+        first[alone], length[alone] = np.flatnonzero(alone), 1
+        runs = np.stack([first, length], axis=1)
+        return np.ascontiguousarray(np.concatenate([self.entries, runs], axis=1), dtype=np.int32)
+
+    def tile(self, t: int, runs: bool = False) -> tuple[int, int, int]:
+        """(sequence, block start, head) of tile t, as `tile_at` decodes it (RUNS = runs)."""
         entry, head = divmod(t, self.heads)
+        if runs:
+            first, length = (int(x) for x in self.run_rows[entry, 2:])
+            head, offset = divmod(t - first * self.heads, length)
+            entry = first + offset
         return int(self.entries[entry, 0]), int(self.entries[entry, 1]), head
+
+
+@triton.jit
+def tile_at(tiles, t, n_heads, RUNS: tl.constexpr):
+    """(sequence, block start, head) of tile t of a table of n_heads heads (`TileTable.tile` is the host twin).
+
+    RUNS: `tiles` holds `TileTable.run_rows` (4 ints a row) and the tiles of a run go head-major; otherwise it
+    holds the entries (2 ints a row) and the heads of an entry are adjacent. t // n_heads is an entry of t's
+    run either way, since the run from entry s of length L owns tiles [s·H, (s + L)·H)."""
+    entry = t // n_heads
+    head = t - entry * n_heads
+    if RUNS:
+        first = tl.load(tiles + 4 * entry + 2)
+        length = tl.load(tiles + 4 * entry + 3)
+        offset = t - first * n_heads
+        head = offset // length
+        entry = first + offset - head * length
+        seq = tl.load(tiles + 4 * entry)
+        start = tl.load(tiles + 4 * entry + 1)
+    else:
+        seq = tl.load(tiles + 2 * entry)
+        start = tl.load(tiles + 2 * entry + 1)
+    return seq, start, head
 
 
 @dataclass(frozen=True)

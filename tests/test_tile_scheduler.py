@@ -49,6 +49,52 @@ def test_query_and_key_tiles(seed, mask):
         assert work == (hi - lo) // 16 * 3
 
 
+def _table_with_runs(rng, heads):
+    """A query table over random lengths with sequences of many blocks (runs of at least HEAD_MAJOR_MIN_RUN)
+    beside short ones, with no mask or a window (whose blocks away from the edges see equally many keys; a
+    causal mask alone gives every block of a sequence its own work, so no runs)."""
+    q_lens = random_lengths(rng, 30, 200)
+    q_lens[rng.choice(30, 4, replace=False)] = rng.integers(30 * 16, 40 * 16, 4)  # 30-40 blocks of 16
+    window, causal = [(None, False), (24, False), (24, True)][rng.integers(3)]
+    return ts.query_tiles(q_lens, q_lens, np.flatnonzero(q_lens), 16, 16, window, causal, heads)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_runs_deal_every_tile_once_head_major(seed):
+    rng = np.random.default_rng(seed)
+    heads = int(rng.integers(1, 5))
+    table = _table_with_runs(rng, heads)
+    rows = table.run_rows
+    np.testing.assert_array_equal(rows[:, :2], table.entries)
+    first, length = rows[:, 2], rows[:, 3]
+    entry = np.arange(table.n_entries)
+    assert ((first <= entry) & (entry < first + length)).all()
+    seq = table.entries[:, 0]
+    # A run is one sequence's adjacent entries, whole (maximal) and long enough; every other entry is alone.
+    assert all((seq[f:f + n] == seq[f]).all() for f, n in zip(first, length, strict=True))
+    long_runs = length > 1
+    assert (length[long_runs] >= ts.HEAD_MAJOR_MIN_RUN).all()
+    starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
+    stretch = np.diff(np.r_[starts, seq.size])
+    want_long = np.repeat(stretch >= ts.HEAD_MAJOR_MIN_RUN, stretch)
+    np.testing.assert_array_equal(long_runs, want_long)
+    assert long_runs.any() and (~long_runs).any(), "the table has both kinds of entry"
+
+    dealt = [table.tile(t, runs=True) for t in range(table.n_tiles)]
+    want = {(int(s), int(b), h) for s, b in table.entries for h in range(heads)}
+    assert sorted(dealt) == sorted(want), "every (entry, head) exactly once"
+    for f, n in {(int(f), int(n)) for f, n in zip(first, length, strict=True)}:
+        block = dealt[f * heads:(f + n) * heads]  # a run's tiles: head-major, its entries in table order
+        assert [h for _, _, h in block] == [h for h in range(heads) for _ in range(n)]
+        assert [(s, b) for s, b, _ in block] == [tuple(map(int, e)) for e in table.entries[f:f + n]] * heads
+
+
+def test_runs_of_one_entry_keep_heads_adjacent():
+    table = ts.query_tiles([100, 300, 50], [100, 300, 50], np.arange(3), 32, 32, None, False, heads=3)
+    assert (table.run_rows[:, 3] == 1).all()
+    assert [table.tile(t, runs=True) for t in range(table.n_tiles)] == [table.tile(t) for t in range(table.n_tiles)]
+
+
 def test_split_packable():
     q = np.array([0, 0, 5, 40, 16, 0, 33])
     kv = np.array([0, 3, 0, 2, 32, 64, 1])

@@ -30,8 +30,10 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import jfa  # noqa: E402
+from jfa import tile_scheduler as ts  # noqa: E402
 from jfa.block_info import kv_block_range, kv_block_range_np, q_block_range, q_block_range_np  # noqa: E402
 from jfa.mask import visible_torch  # noqa: E402
+from jfa.tile_scheduler import tile_at  # noqa: E402
 from jfa.triton import backend as triton_backend  # noqa: E402
 from jfa.triton.backend import ISOLATION_GRAD_GAP  # noqa: E402
 from reference.exact import reference  # noqa: E402
@@ -617,6 +619,30 @@ def test_block_ranges_match_host_twin():
         want_q = np.stack(q_block_range_np(a0, a1, q_len, kv_len, window, block, causal), 1)
         np.testing.assert_array_equal(out[:, :4].numpy(), want_kv)
         np.testing.assert_array_equal(out[:, 4:].numpy(), want_q)
+
+
+@triton.jit
+def _tile_at_kernel(tiles, out, n_tiles, n_heads, RUNS: tl.constexpr):
+    for t in range(n_tiles):
+        seq, start, head = tile_at(tiles, t, n_heads, RUNS)
+        tl.store(out + 3 * t, seq)
+        tl.store(out + 3 * t + 1, start)
+        tl.store(out + 3 * t + 2, head)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("runs", [False, True])
+def test_tile_at_matches_host_twin(runs):
+    """The kernels' tile decode (jfa.tile_scheduler.tile_at) deals the tiles TileTable.tile says, over a table
+    with runs of many blocks and single entries (tests/test_tile_scheduler.py checks the twin)."""
+    q_lens = np.array([40, 0, 700, 90, 17, 520, 3])
+    table = ts.query_tiles(q_lens, q_lens, np.flatnonzero(q_lens), 32, 32, None, False, heads=3)
+    assert (table.run_rows[:, 3] > 1).any() and (table.run_rows[:, 3] == 1).any()
+    rows = torch.from_numpy(table.run_rows if runs else table.entries).contiguous()
+    out = torch.full((table.n_tiles, 3), -1, dtype=torch.int32)
+    _tile_at_kernel[(1,)](rows, out, table.n_tiles, table.heads, RUNS=runs)
+    want = [table.tile(t, runs=runs) for t in range(table.n_tiles)]
+    assert [tuple(r) for r in out.tolist()] == want
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -131,10 +131,11 @@ class HostPlan:
 
 
 def _table_on(tiles: ts.TileTable, copies: dict, device: torch.device) -> torch.Tensor:
-    """The int32 entries of `tiles` on `device`, copied once into `copies` (device -> tensor)."""
+    """The run rows of `tiles` (the TLX kernels deal tiles head-major within runs: `jfa.tile_scheduler`) on
+    `device`, copied once into `copies` (device -> tensor)."""
     key = str(device)
     if key not in copies:
-        copies[key] = torch.from_numpy(tiles.entries.ravel()).to(device)
+        copies[key] = torch.from_numpy(tiles.run_rows.ravel()).to(device)
     return copies[key]
 
 
@@ -396,7 +397,8 @@ def tlx_short(problem: Problem) -> bool:
 
 def _launch_short(q, k, v, dout, dq, dk, dv, row_max, row_sum, delta, table, problem: Problem, partial: bool) -> None:
     """The TLX short-query pass (`jfa.tlx.backward.short_ws_kernel`) over the Triton short-query tile table
-    `table` (device int32, blocks of SHORT_BLOCK_M × SHORT_BLOCK_N, as the kernel walks them): dq (the fp32
+    `table` (device int32 entries, heads adjacent: a short-query sequence is one entry, so its runs would all
+    be of length 1; blocks of SHORT_BLOCK_M × SHORT_BLOCK_N, as the kernel walks them): dq (the fp32
     partial at the output rows when `partial`), dk and dv of its sequences; D (delta) computed before."""
     from jfa.triton.backend import effective_window, scale_log2
 

@@ -63,6 +63,7 @@ import triton.language.extra.tlx as tlx
 from jfa.block_info import q_block_range
 from jfa.mask import visible
 from jfa.softmax import backward_row_stats, raw_scores, row_delta, shifted_exp2
+from jfa.tile_scheduler import tile_at
 from jfa.tlx.forward import CONSUMER_THREADS, _load_tiles, _pass_tile, _rounds, _tile, _tile_round, query_ring_barriers
 from jfa.triton.forward import sequence_bounds
 
@@ -75,12 +76,9 @@ STAT_ALIGN = tl.constexpr(4)  # fp32 elements per 16 bytes
 @triton.jit
 def _key_tile(tiles, t, n_kv_heads, q_offsets, out_offsets, kv_offsets, window, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
-    """Tile t: (kv_head, n0, q_start, out_start, q_len, kv_start, kv_len, lo, hi), [lo, hi) the query blocks
-    that see keys [n0, n0 + BLOCK_N) of the sequence."""
-    entry = t // n_kv_heads
-    kv_head = t - entry * n_kv_heads
-    seq = tl.load(tiles + 2 * entry)
-    n0 = tl.load(tiles + 2 * entry + 1)
+    """Tile t (`jfa.tile_scheduler.tile_at` over run rows): (kv_head, n0, q_start, out_start, q_len, kv_start,
+    kv_len, lo, hi), [lo, hi) the query blocks that see keys [n0, n0 + BLOCK_N) of the sequence."""
+    seq, n0, kv_head = tile_at(tiles, t, n_kv_heads, True)
     q_start, out_start, q_len, kv_start, kv_len = sequence_bounds(q_offsets, out_offsets, kv_offsets, seq)
     lo, _, _, hi = q_block_range(n0, tl.minimum(n0 + BLOCK_N, kv_len), q_len, kv_len, window, BLOCK_M, HAS_WINDOW,
                                  CAUSAL)
@@ -243,8 +241,8 @@ def dkv_ws_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BUFFERS: tl.constexpr,
     NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, DQ_REDUCE: tl.constexpr,
 ):
-    """Persistent warp-specialised dK/dV over the key tiles of `tiles` (int32 [n_entries, 2]: sequence, n0);
-    with DQ_REDUCE also dq, added into the fp32 [out rows, Hq·D] view behind `desc_dq` (None without)."""
+    """Persistent warp-specialised dK/dV over the key tiles of `tiles` (`TileTable.run_rows`: sequence, n0,
+    run); with DQ_REDUCE also dq, added into the fp32 [out rows, Hq·D] view behind `desc_dq` (None without)."""
     HALF: tl.constexpr = BLOCK_N // 2
     DT: tl.constexpr = tlx.dtype_of(desc_q)
     k_tiles = tlx.local_alloc((HALF, HEAD_DIM), DT, 2)  # consumer c's keys in slot c
@@ -303,7 +301,7 @@ def _dq_tiles(q_tiles, do_tiles, k_tiles, v_tiles, q_full, q_empty, k_full, k_em
     for r in range(0, _rounds(pid, nprog, n_tiles)):
         head, m0, q_start, out_start, q_len, kv_start, kv_len, lo, _, _, hi = _tile(
             tiles, _tile_round(r, pid, nprog), n_heads, q_offsets, out_offsets, kv_offsets, window, BLOCK_M,
-            BLOCK_N, HAS_WINDOW, CAUSAL)
+            BLOCK_N, HAS_WINDOW, CAUSAL, True)
         q_slot = (r % Q_BUFFERS) * 2 + cid
         q_phase = (r // Q_BUFFERS) & 1
         if m0 + cid * HALF >= q_len:  # no row of this half exists (see _pass_tile)
@@ -356,8 +354,8 @@ def dq_ws_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_BUFFERS: tl.constexpr,
     KV_BUFFERS: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """Persistent warp-specialised dQ pass (and D) over the query tiles of `tiles` (int32 [n_entries, 2]:
-    sequence, m0)."""
+    """Persistent warp-specialised dQ pass (and D) over the query tiles of `tiles` (`TileTable.run_rows`:
+    sequence, m0, run)."""
     HALF: tl.constexpr = BLOCK_M // 2
     DT: tl.constexpr = tlx.dtype_of(desc_q)
     q_tiles = tlx.local_alloc((HALF, HEAD_DIM), DT, 2 * Q_BUFFERS)  # slot s of consumer c: 2s + c
@@ -422,7 +420,7 @@ def _load_short(desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, q_t
     for r in range(0, _rounds(pid, nprog, n_tiles)):
         head, _, q_start, out_start, _, kv_start, _, lo, _, _, hi = _tile(
             tiles, _tile_round(r, pid, nprog), n_heads, q_offsets, out_offsets, kv_offsets, window, BLOCK_M,
-            BLOCK_N, HAS_WINDOW, CAUSAL)
+            BLOCK_N, HAS_WINDOW, CAUSAL, False)
         tlx.barrier_wait(q_empty[0], (r & 1) ^ 1)  # both consumers retired the previous tile's products
         tlx.barrier_expect_bytes(q_full[0], 2 * ELEM * BLOCK_M * HEAD_DIM + 3 * 4 * 2 * BLOCK_M)
         tlx.async_descriptor_load(desc_q, q_tile[0], [tl.minimum(q_start, q_rows - 1), head * sq_h], q_full[0])
@@ -486,7 +484,7 @@ def _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, 
     for r in range(0, _rounds(pid, nprog, n_tiles)):
         head, _, q_start, out_start, q_len, kv_start, kv_len, lo, full_lo, full_hi, hi = _tile(
             tiles, _tile_round(r, pid, nprog), n_heads, q_offsets, out_offsets, kv_offsets, window, BLOCK_M,
-            BLOCK_N, HAS_WINDOW, CAUSAL)
+            BLOCK_N, HAS_WINDOW, CAUSAL, False)
         row_ok = offs_q < q_len
         stat_at = (head * stat_h + out_start) % STAT_ALIGN + offs_q  # in the statistics boxes
         n_blocks = tl.cdiv(hi - lo, BLOCK_N)

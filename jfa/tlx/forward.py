@@ -3,9 +3,10 @@
 Imported only when fbtriton (Triton with TLX) is installed: `jfa.tlx.backend` imports it lazily.
 
 Tile = (sequence, BLOCK_M = 128 query rows, query head), from `jfa.tile_scheduler.query_tiles` (sorted by
-key-block work, the heads of an entry adjacent). The grid is persistent: program p takes the tiles of the
-static zigzag dealing (round r: tile r·P + p when r is even, r·P + P-1-p when odd), so the producer and the
-consumers derive the same tile sequence independently and need no hand-off.
+key-block work; head-major within each run of a sequence's blocks, `jfa.tile_scheduler.tile_at`). The grid is
+persistent: program p takes the tiles of the static zigzag dealing (round r: tile r·P + p when r is even,
+r·P + P-1-p when odd), so the producer and the consumers derive the same tile sequence independently and
+need no hand-off.
 
 One CTA = three warpgroups:
 - producer (the "default" task, 4 warps, 24 registers): per tile, TMA loads of the two 64-row halves of the
@@ -55,6 +56,7 @@ import triton.language.extra.tlx as tlx
 from jfa.block_info import kv_block_range
 from jfa.mask import visible
 from jfa.softmax import finalize, online_update, raw_scores
+from jfa.tile_scheduler import tile_at
 from jfa.triton.forward import sequence_bounds
 
 # Hardware named barriers (ids 1-15; 0 is the CTA-wide barrier) that pass the right to issue a QK wgmma
@@ -86,17 +88,16 @@ def _rounds(pid, nprog, n_tiles):
 
 @triton.jit
 def _tile(tiles, t, n_heads, q_offsets, out_offsets, kv_offsets, window,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
-    """Tile t: (head, m0, q_start, out_start, q_len, kv_start, kv_len, lo, full_lo, full_hi, hi).
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+          RUNS: tl.constexpr):
+    """Tile t (`jfa.tile_scheduler.tile_at`): (head, m0, q_start, out_start, q_len, kv_start, kv_len, lo, full_lo,
+    full_hi, hi).
 
     A tile whose rows see no key still gets one key block [lo, lo + BLOCK_N), fully masked (it lies outside
     [full_lo, full_hi)): every tile then runs the same branch-free pipeline, and its rows come out with
     m = -inf, l = 0 (out = 0, lse = -inf). The block may lie past the keys; TMA reads zeros there.
     """
-    entry = t // n_heads
-    head = t - entry * n_heads
-    seq = tl.load(tiles + 2 * entry)
-    m0 = tl.load(tiles + 2 * entry + 1)
+    seq, m0, head = tile_at(tiles, t, n_heads, RUNS)
     q_start, out_start, q_len, kv_start, kv_len = sequence_bounds(q_offsets, out_offsets, kv_offsets, seq)
     lo, full_lo, full_hi, hi = kv_block_range(m0, tl.minimum(m0 + BLOCK_M, q_len), q_len, kv_len, window,
                                               BLOCK_N, HAS_WINDOW, CAUSAL)
@@ -121,7 +122,7 @@ def _load_tiles(desc_q, desc_do, desc_k, desc_v, q_tiles, do_tiles, k_tiles, v_t
     for r in range(0, _rounds(pid, nprog, n_tiles)):
         head, m0, q_start, out_start, q_len, kv_start, kv_len, lo, full_lo, full_hi, hi = _tile(
             tiles, _tile_round(r, pid, nprog), n_heads, q_offsets, out_offsets, kv_offsets, window,
-            BLOCK_M, BLOCK_N, HAS_WINDOW, CAUSAL)
+            BLOCK_M, BLOCK_N, HAS_WINDOW, CAUSAL, True)
         q_slot = (r % Q_BUFFERS) * 2
         q_phase = (r // Q_BUFFERS) & 1
         for c in tl.static_range(2):
@@ -227,7 +228,7 @@ def _attend_tiles(q_tiles, k_tiles, v_tiles, q_full, q_empty, k_full, k_empty, v
     for r in range(0, _rounds(pid, nprog, n_tiles)):
         head, m0, q_start, out_start, q_len, kv_start, kv_len, lo, full_lo, full_hi, hi = _tile(
             tiles, _tile_round(r, pid, nprog), n_heads, q_offsets, out_offsets, kv_offsets, window,
-            BLOCK_M, BLOCK_N, HAS_WINDOW, CAUSAL)
+            BLOCK_M, BLOCK_N, HAS_WINDOW, CAUSAL, True)
         q_slot = (r % Q_BUFFERS) * 2 + cid
         q_phase = (r // Q_BUFFERS) & 1
         if m0 + cid * HALF >= q_len:  # no row of this half exists: nothing to compute or store
@@ -303,7 +304,7 @@ def fwd_ws_kernel(
     KV_BUFFERS: tl.constexpr,
     NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """Persistent warp-specialised forward over the tiles of `tiles` (int32 [n_entries, 2]: sequence, m0)."""
+    """Persistent warp-specialised forward over the tiles of `tiles` (`TileTable.run_rows`: sequence, m0, run)."""
     HALF: tl.constexpr = BLOCK_M // 2
     DT: tl.constexpr = tlx.dtype_of(desc_q)
     q_tiles = tlx.local_alloc((HALF, HEAD_DIM), DT, 2 * Q_BUFFERS)  # slot s of consumer c: 2s + c
