@@ -91,7 +91,7 @@ class TileTable:
         """int32 [n, 4]: each entry with the first entry and the length of its run, the rows `tile_at` reads
         with RUNS."""
         seq = self.entries[:, 0]
-        firsts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]]) if seq.size else np.zeros(0, np.int64)
+        firsts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])  # [0] with length 0 for an empty table
         lengths = np.diff(np.r_[firsts, seq.size])
         first, length = np.repeat(firsts, lengths), np.repeat(lengths, lengths)
         alone = length < HEAD_MAJOR_MIN_RUN
