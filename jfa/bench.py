@@ -25,6 +25,9 @@ host work and the autograd engine's, where they outlast the forward's kernels), 
 timing (NVML): under sustained load the H200 lowers its clock, more for a kernel that keeps the tensor cores
 busier, so a time is read beside its clock.
 --json writes everything with the environment (GPU, driver, CUDA, torch, triton versions, date).
+`python -m jfa.bench --markdown RUN.json [RUN.json ...]` prints such runs as one markdown table (the README's),
+each row's backends run by run; with several runs, a run's records carry its footnote mark, and the footnotes
+name each run's triton, date and copy rate (no GPU needed).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import threading
 import numpy as np
 
 ROWS = ("gem", "long", "skew", "tiny", "broadcast")
+MEMORY_BOUND_ROWS = ("tiny",)  # their tables give GB/s of compulsory traffic beside TFLOP/s
 DEFAULT_BACKENDS = ("triton", "tlx", "torch-varlen", "flex")
 
 
@@ -385,6 +389,51 @@ def print_rooflines(results, copy_gbps: float) -> None:
                   f"FA2), bwd >= {r['bwd_floor_ms']:.3f} ms (at most {r['bwd_roofline_vs_varlen']:.2f}x FA2)")
 
 
+def _markdown_line(r: dict, label: str) -> str:
+    """One table line of record r (the row's name only on its first line: `label` is the backend's)."""
+    def rate(key):
+        flops = f"{r[f'{key}_tflops']:.1f}"
+        return f"{flops} ({r[f'{key}_gbps']:.0f} GB/s)" if r["row"] in MEMORY_BOUND_ROWS else flops
+
+    def ratio(key):
+        return f"{r[key]:.2f}" if key in r else "-"
+
+    def pair(key, digits=3):
+        return " / ".join("-" if r.get(f"{k}_{key}") is None else f"{r[f'{k}_{key}']:.{digits}f}"
+                          for k in ("fwd", "fwdbwd"))
+
+    if "fwd_ms" not in r or "fwdbwd_ms" not in r:
+        return f"| {label} | {r.get('skipped') or r.get('error')} |" + " |" * 8
+    return (f"| {label} | {r['fwd_ms']:.3f} | {rate('fwd')} | {ratio('fwd_vs_varlen')} | "
+            f"{r['bwd_ms']:.3f} | {rate('bwd')} | {ratio('bwd_vs_varlen')} | "
+            f"{pair('device_ms')} | {pair('idle_ms')} | {pair('sm_mhz', 0)} |")
+
+
+def markdown_table(runs: list[dict]) -> str:
+    """The runs (as --json writes them) as one markdown table: per row of ROWS, every run's records in run order;
+    with several runs, each record marked with its run's footnote (¹, ², ...) and `triton` under fbtriton named
+    so; then the footnotes."""
+    marks = "¹²³⁴⁵⁶⁷⁸⁹" if len(runs) > 1 else ""
+    lines = ["| row | backend | fwd ms | fwd TF/s | fwd ×FA2 | bwd ms | bwd TF/s | bwd ×FA2 | dev ms fwd / fwd+bwd "
+             "| idle fwd / fwd+bwd | MHz fwd / fwd+bwd |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in ROWS:
+        first = True
+        for i, run in enumerate(runs):
+            fbtriton = "+fb" in run["environment"]["triton"]
+            for r in (r for r in run["results"] if r["row"] == row):
+                name = "triton under fbtriton" if fbtriton and r["backend"] == "triton" else r["backend"]
+                label = f"{row if first else ''} | {name}{' ' + marks[i] if marks else ''}"
+                lines.append(_markdown_line(r, label))
+                first = False
+    lines.append("")
+    for i, run in enumerate(runs):
+        env = run["environment"]
+        lines.append(f"{marks[i] + ' ' if marks else ''}{env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
+                     f"run started {env['date']}, copy rate {run['copy_gbps']:,.0f} GB/s.")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="jfa kernels vs peers on DESIGN.md's workloads (CUDA only)")
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
@@ -396,7 +445,16 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="do_bench calls per measurement (median)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write results and environment here")
+    parser.add_argument("--markdown", nargs="+", metavar="RUN.json",
+                        help="print these --json runs as one markdown table instead of measuring")
     args = parser.parse_args(argv)
+    if args.markdown:
+        runs = []
+        for path in args.markdown:
+            with open(path) as f:
+                runs.append(json.load(f))
+        print(markdown_table(runs))
+        return 0
 
     import torch
 

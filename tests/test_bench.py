@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 from jfa import bench
@@ -78,3 +79,47 @@ def test_steady_calls_leave_out_the_first_recorded_call():
     assert bench.steady_calls(spans[::-1], calls=2) == (spans[2:], 2)
     assert bench.steady_calls(spans[:5], calls=2) == (spans[:5], 3)
     assert bench.steady_calls([], calls=2) == ([], 3)
+
+
+def _run(triton_version: str, date: str, records: list[dict]) -> dict:
+    return {"environment": {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": triton_version, "date": date},
+            "copy_gbps": 4250.0, "results": records}
+
+
+def _timed(row: str, backend: str, fwd_ms: float, **extra) -> dict:
+    record = {"row": row, "backend": backend, "fwd_flops": 4e12, "bwd_flops": 1e13, "fwd_ms": fwd_ms,
+              "fwdbwd_ms": 3 * fwd_ms, "fwd_device_ms": fwd_ms - 0.1, "fwd_idle_ms": 0.05,
+              "fwdbwd_device_ms": 3 * fwd_ms - 0.2, "fwdbwd_idle_ms": 0.125, "fwd_extra_bytes": 0,
+              "fwdbwd_extra_bytes": 0, "fwd_sm_mhz": 1805.4, "fwdbwd_sm_mhz": None, **extra}
+    bench.derive(record, fwd_bytes=4e9, bwd_bytes=1e10, copy_gbps=4250.0)
+    return record
+
+
+def test_markdown_table_joins_runs_row_by_row():
+    """Each row's records run by run, marked with their run's footnote; triton under fbtriton named so; GB/s only
+    on memory-bound rows; a skipped backend says why; the footnotes name each run."""
+    fb = _run("3.7.4+fb", "2026-12-04T00:08", [_timed("tiny", "triton", 2.0, fwd_vs_varlen=1.5),
+                                                _timed("gem", "tlx", 1.0, fwd_vs_varlen=1.52, bwd_vs_varlen=1.5)])
+    stock = _run("3.6.0", "2026-12-04T00:05", [_timed("gem", "triton", 2.0),
+                                                {"row": "gem", "backend": "flex", "skipped": "not installed"}])
+    lines = bench.markdown_table([fb, stock]).splitlines()
+    body = [line for line in lines if line.startswith("| ") and not line.startswith(("| row", "| ---"))]
+    assert [line.split(" | ")[:2] for line in body] == [
+        ["| gem", "tlx ¹"], ["| ", "triton ²"], ["| ", "flex ²"], ["| tiny", "triton under fbtriton ¹"]]
+    gem_tlx = body[0].split(" | ")
+    assert gem_tlx[2:5] == ["1.000", "4000.0", "1.52"] and gem_tlx[-3:] == ["0.900 / 2.800", "0.050 / 0.125",
+                                                                              "1805 / - |"]
+    assert body[1].split(" | ")[4] == "-"  # no torch-varlen in its run: no ratio
+    assert "not installed" in body[2]
+    assert {line.count("|") for line in body} == {lines[0].count("|")}  # every line has the header's cells
+    assert body[3].split(" | ")[3] == "2000.0 (2000 GB/s)" and "GB/s" not in body[0]
+    assert lines[-2].startswith("¹ NVIDIA H200") and "3.7.4+fb" in lines[-2] and "4,250 GB/s" in lines[-2]
+    assert lines[-1].startswith("² ") and "3.6.0" in lines[-1]
+
+
+def test_markdown_of_one_run_has_no_marks(tmp_path, capsys):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(_run("3.6.0", "2026-12-04", [_timed("long", "triton", 2.0)])))
+    assert bench.main(["--markdown", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].startswith("| long | triton | 2.000 |") and out[-1].startswith("NVIDIA H200")
