@@ -344,8 +344,13 @@ def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: in
         record[f"{key}_device_ms"], record[f"{key}_idle_ms"] = _device_profile(fn)
 
 
+def _measured(r: dict) -> bool:
+    """Whether record r holds both timings (a skipped or failed backend's holds its reason instead)."""
+    return "fwd_ms" in r and "fwdbwd_ms" in r
+
+
 def _print_record(r):
-    if "fwd_ms" not in r or "fwdbwd_ms" not in r:
+    if not _measured(r):
         print(f"  {r['row']:9s} {r['backend']:13s} {r.get('skipped') or r.get('error')}", flush=True)
         return
     print(f"  {r['row']:9s} {r['backend']:13s} fwd {r['fwd_ms']:8.3f} ms {r['fwd_tflops']:6.1f} TF/s  "
@@ -359,7 +364,7 @@ def print_table(results) -> None:
     print(head)
     print("-" * len(head))
     for r in results:
-        if "fwd_ms" not in r or "fwdbwd_ms" not in r:
+        if not _measured(r):
             print(f"{r['row']:9s} {r['backend']:13s} {r.get('skipped') or r.get('error')}")
             continue
 
@@ -402,7 +407,7 @@ def _markdown_line(r: dict, label: str) -> str:
         return " / ".join("-" if r.get(f"{k}_{key}") is None else f"{r[f'{k}_{key}']:.{digits}f}"
                           for k in ("fwd", "fwdbwd"))
 
-    if "fwd_ms" not in r or "fwdbwd_ms" not in r:
+    if not _measured(r):
         return f"| {label} | {r.get('skipped') or r.get('error')} |" + " |" * 8
     return (f"| {label} | {r['fwd_ms']:.3f} | {rate('fwd')} | {ratio('fwd_vs_varlen')} | "
             f"{r['bwd_ms']:.3f} | {rate('bwd')} | {ratio('bwd_vs_varlen')} | "
