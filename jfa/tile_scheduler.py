@@ -24,6 +24,9 @@ below are the host reference the tests compare against):
 - DYNAMIC: a program takes tile `pid` first and then the next unclaimed tile from an atomic counter (the
   Hopper stand-in for Blackwell's Cluster Launch Control): greedy longest-processing-time-first;
 - GRID: one program per tile (no persistence), hardware block order.
+A kernel may instead walk a host-made list per program (`program_lists`, the TLX short-query pass): the zigzag
+dealing, or for broadcast_q's dq, a sum over the sequences, contiguous head-major chunks of equal cost whose
+tiles' dq each program sums in registers per head (one partial per program and head, not per sequence).
 
 Short-query sequences (backward only): a sequence with 1 <= q_len <= short block and more than a packed
 tile's worth of rows or keys, when each key/value head serves one query head (no GQA), gets one tile per
@@ -48,7 +51,7 @@ grid axis ever exceeds 65,535 because the kernels are persistent over a 1-D grid
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -264,6 +267,8 @@ class Schedule:
     packed_fwd: PackTable
     packed_bwd: PackTable
     profile: int
+    # What a backend derives from these tables (its own dealing, device copies), kept as long as the schedule is.
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def split_short_queries(q_lens, seqs, short_block: int, group: int) -> tuple[np.ndarray, np.ndarray]:
@@ -342,3 +347,92 @@ def makespan(assignment: list[np.ndarray], work: np.ndarray) -> float:
     """The largest total work of one program."""
     work = np.asarray(work, dtype=np.float64)
     return max((float(work[a].sum()) for a in assignment), default=0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host-made lists of tiles per program (the TLX short-query pass walks them instead of dealing on the device).
+
+
+@dataclass(frozen=True)
+class ProgramLists:
+    """A table's tiles as persistent programs walk them from a host-made list: program p takes rows
+    [starts[p], starts[p + 1]) of `rows` in order; row i is (tile, dest), tile an index of the table's
+    heads-adjacent tiles (`TileTable.tile`), dest the sequence at whose dq rows the program stores the dq it
+    has accumulated when tile i ends a *segment* (-1 otherwise: it keeps accumulating). `sources`: per head,
+    the sequences whose dq rows hold a segment of that head, in list order (-1 padding), the partials a
+    reduction over sequences sums; None when every tile is a segment of its own (dest = its sequence)."""
+
+    rows: np.ndarray  # int32 [n_tiles, 2]
+    starts: np.ndarray  # int32 [n_programs + 1]
+    sources: np.ndarray | None  # int32 [heads, max segments of a head]
+
+
+def program_lists(table: TileTable, n_programs: int, accumulate: bool) -> ProgramLists:
+    """The tiles of `table` dealt to `n_programs` persistent programs.
+
+    accumulate=False: the static zigzag dealing, every tile its own segment (dq stored after each).
+    accumulate=True (broadcast_q's dq, a sum over the sequences that share the query rows): the tiles
+    head-major (head 0's, then head 1's, ...; within a head the table's heaviest, lightest, second heaviest,
+    ...) cut into n_programs contiguous chunks whose largest cost (a tile's key blocks + 1) is the least
+    possible, each chunk ending a segment wherever its head changes and at its end. A program then sums its
+    sequences' dq in registers and stores one partial per segment (about n_programs + heads in all) where it
+    stored one per tile, and the reduction over sequences reads those alone. The dealing is static, so the
+    sums and their order are the same on every run of the same lengths and programs: dq stays deterministic."""
+    heads, n_tiles = table.heads, table.n_tiles
+    seqs = table.entries[:, 0].astype(np.int64)
+    if not accumulate:
+        dealt = zigzag_assignment(n_tiles, n_programs)
+        order = np.concatenate([np.zeros(0, np.int64), *dealt])
+        starts = np.r_[0, np.cumsum([a.size for a in dealt], dtype=np.int64)]
+        rows = np.stack([order, seqs[order // max(heads, 1)]], axis=1)
+        return ProgramLists(np.ascontiguousarray(rows, dtype=np.int32), starts.astype(np.int32), None)
+    # Within a head the entries go heaviest, lightest, second heaviest, ...: every chunk then holds a mix of
+    # heavy and light tiles, so a tile's fixed costs beyond its key blocks (its setup and the Q load it waits
+    # for) weigh about the same in every chunk, as the zigzag dealing's equal tile counts make them.
+    n = table.n_entries
+    mixed = np.stack([np.arange(n), n - 1 - np.arange(n)], axis=1).ravel()[:n]
+    entry = np.tile(mixed.astype(np.int64), heads)
+    head = np.repeat(np.arange(heads, dtype=np.int64), table.n_entries)
+    order = entry * heads + head
+    starts = _balanced_cuts(table.work[entry] + 1, n_programs)
+    chunk_end = np.zeros(n_tiles, dtype=bool)
+    chunk_end[starts[1:][starts[1:] > 0] - 1] = True
+    segment_end = chunk_end | np.r_[head[1:] != head[:-1], True]
+    segment_start = np.r_[True, segment_end[:-1]] if n_tiles else segment_end
+    first_seq = seqs[entry][segment_start]
+    dest = np.full(n_tiles, -1, dtype=np.int64)
+    dest[segment_end] = first_seq
+    segment_heads = head[segment_end]
+    per_head = np.bincount(segment_heads, minlength=heads)
+    sources = np.full((heads, int(per_head.max(initial=0))), -1, dtype=np.int64)
+    rank = np.arange(segment_heads.size) - np.repeat(np.cumsum(per_head) - per_head, per_head)
+    sources[segment_heads, rank] = first_seq
+    rows = np.stack([order, dest], axis=1)
+    return ProgramLists(np.ascontiguousarray(rows, dtype=np.int32), starts.astype(np.int32),
+                        np.ascontiguousarray(sources, dtype=np.int32))
+
+
+def _balanced_cuts(cost: np.ndarray, n_parts: int) -> np.ndarray:
+    """starts [n_parts + 1] of the split of `cost` (int64, > 0) into n_parts contiguous chunks whose largest total
+    is the least possible (the linear partition problem: a binary search on that total, each bound checked by
+    filling chunks greedily up to it); trailing chunks may be empty."""
+    ends = np.cumsum(cost)
+    total = int(ends[-1]) if ends.size else 0
+
+    def greedy(cap: int) -> list[int] | None:
+        cuts, start = [0], 0
+        while start < ends.size and len(cuts) <= n_parts:
+            start = int(np.searchsorted(ends, (ends[start - 1] if start else 0) + cap, side="right"))
+            cuts.append(start)
+        return cuts if start >= ends.size else None
+
+    lo = max(-(-total // max(n_parts, 1)), int(cost.max(initial=0)))  # no chunk can hold less than this
+    hi = lo + int(cost.max(initial=0))  # greedy filling to the mean plus one tile always fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if greedy(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    cuts = greedy(lo) or [0]
+    return np.asarray(cuts + [ends.size] * (n_parts + 1 - len(cuts)), dtype=np.int64)

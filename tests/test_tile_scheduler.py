@@ -233,3 +233,81 @@ def test_kernel_dealing_formula():
                 t = ts.zigzag_tile(r, pid, programs)
                 assert t // programs == r
                 assert t % programs == (pid if r % 2 == 0 else programs - 1 - pid)
+
+
+def _short_table(rng, batch, heads):
+    q_lens = rng.integers(1, 129, batch)
+    kv_lens = random_lengths(rng, batch, 900)
+    return ts.query_tiles(q_lens, kv_lens, np.arange(batch), 128, 64, None, False, heads)
+
+
+@pytest.mark.parametrize("programs", [1, 5, 132])
+def test_program_lists_without_accumulation_are_the_zigzag_dealing(programs):
+    """accumulate=False: program p walks `zigzag_assignment`'s tiles in its order, each tile a segment of its
+    own whose dq goes to its own sequence; no sources (the reduction takes one partial per sequence)."""
+    table = _short_table(np.random.default_rng(programs), 60, 3)
+    lists = ts.program_lists(table, programs, accumulate=False)
+    assert lists.sources is None
+    for p, tiles in enumerate(ts.zigzag_assignment(table.n_tiles, programs)):
+        rows = lists.rows[lists.starts[p]:lists.starts[p + 1]]
+        assert rows[:, 0].tolist() == tiles.tolist()
+        assert rows[:, 1].tolist() == [table.tile(int(t))[0] for t in tiles]
+    assert lists.starts[-1] == table.n_tiles
+
+
+def _linear_partition_optimum(cost, parts):
+    """The least largest chunk total of `cost` split into at most `parts` contiguous chunks (dynamic programming)."""
+    prefix = np.r_[0, np.cumsum(cost)]
+    best = np.full((parts + 1, cost.size + 1), np.inf)
+    best[0, 0] = 0
+    for k in range(1, parts + 1):
+        for i in range(cost.size + 1):
+            best[k, i] = min(max(best[k - 1, j], prefix[i] - prefix[j]) for j in range(i + 1))
+    return best[parts, cost.size]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_program_lists_accumulate_per_head_segments(seed):
+    """accumulate=True (broadcast_q): every tile once, head-major (head 0's tiles, then head 1's, ...; within a
+    head the table's heaviest, lightest, second heaviest, ...), cut into contiguous chunks whose largest cost
+    (key blocks + 1 a tile) is the least possible; a segment ends at each head change and at each chunk's end,
+    and stores to its first tile's sequence; `sources` lists, per head, exactly those sequences in list order
+    (-1 padding). A sequence's rows then hold one segment of a head at most, so no two segments overwrite each
+    other."""
+    rng = np.random.default_rng(seed)
+    heads = int(rng.integers(1, 6))
+    table = _short_table(rng, int(rng.integers(1, 30)), heads)
+    programs = int(rng.integers(1, 12))
+    lists = ts.program_lists(table, programs, accumulate=True)
+    n = table.n_entries
+    mixed = [n - 1 - i // 2 if i % 2 else i // 2 for i in range(n)]  # heaviest, lightest, second heaviest, ...
+    want_order = [e * heads + h for h in range(heads) for e in mixed]
+    assert lists.rows[:, 0].tolist() == want_order
+    assert lists.starts[0] == 0 and lists.starts[-1] == table.n_tiles and np.all(np.diff(lists.starts) >= 0)
+    assert lists.starts.size == programs + 1
+    cost = np.asarray([table.work[t // heads] + 1 for t in want_order])
+    chunk_costs = [cost[a:b].sum() for a, b in itertools.pairwise(lists.starts)]
+    assert max(chunk_costs) == _linear_partition_optimum(cost, programs)
+    sources = {h: [] for h in range(heads)}
+    for a, b in itertools.pairwise(lists.starts):
+        segment_first = None
+        for i in range(a, b):
+            seq, _, head = table.tile(int(lists.rows[i, 0]))
+            segment_first = seq if segment_first is None else segment_first
+            ends = i + 1 == b or table.tile(int(lists.rows[i + 1, 0]))[2] != head
+            assert lists.rows[i, 1] == (segment_first if ends else -1)
+            if ends:
+                sources[head].append(segment_first)
+                segment_first = None
+    for h in range(heads):
+        assert len(set(sources[h])) == len(sources[h])
+        row = lists.sources[h].tolist()
+        assert row[:len(sources[h])] == sources[h] and set(row[len(sources[h]):]) <= {-1}
+    assert lists.sources.shape[1] == max(len(s) for s in sources.values())
+
+
+def test_program_lists_of_an_empty_table():
+    table = ts._empty_table(4)
+    for accumulate in (False, True):
+        lists = ts.program_lists(table, 3, accumulate)
+        assert lists.rows.shape == (0, 2) and lists.starts.tolist() == [0, 0, 0, 0]

@@ -127,8 +127,8 @@ def test_short_query_table_blocks_are_the_tlx_short_pass_blocks():
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_triton_backward_runs_a_given_short_pass_instead_of_its_kernel(small_blocks, monkeypatch, deterministic):
     """With `short_pass` the Triton backward leaves dq, dk and dv of the short-query sequences to it: called
-    once with the device short-query table and the dq output (not partial without broadcast_q and dq_in_dkv),
-    after D of every row has been computed, which happens once (the dq_in_dkv pass reads the same D)."""
+    once with the host schedule and the dq output (not partial without broadcast_q and dq_in_dkv), after D of
+    every row has been computed, which happens once (the dq_in_dkv pass reads the same D)."""
     from verify.runner import nan_filled_allocations
 
     triton_backend = small_blocks
@@ -167,10 +167,70 @@ def test_triton_backward_runs_a_given_short_pass_instead_of_its_kernel(small_blo
                                               dq_in_dkv=not deterministic, short_pass=short_pass)
     assert len(calls) == 1 and len(deltas) == 1
     table, delta, partial, dq_dtype, unwritten = calls[0]
-    assert table is sched.short_bwd and unwritten
+    assert table is sched.host and unwritten
     assert partial == (not deterministic) and dq_dtype == (torch.float32 if partial else q.dtype)
     torch.testing.assert_close(delta, (dout.float() * out.float()).sum(-1).T, rtol=1e-6, atol=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_broadcast_dq_reduction_sums_the_partials_a_short_pass_lists(small_blocks):
+    """A short pass that returns its partials' sources (the TLX pass's segments under broadcast_q): the
+    reduction sums, per head, those sequences' fp32 rows in the listed order and no other (the rest stay
+    NaN-filled here: reading one would show)."""
+    from verify.runner import nan_filled_allocations
+
+    triton_backend = small_blocks
+    q_lens, kv_lens = [20] * 4, [100, 60, 200, 40]
+    (q, k, v), problem = _problem(q_lens, kv_lens, hq=2, hkv=2, d=16, broadcast_q=True)
+    out, lse, residuals = triton_backend.BACKEND.forward(q, k, v, problem)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(out.dtype)
+    want = triton_backend.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem)
+    sched = triton_backend.device_schedule(problem, triton_backend.SMALL_BLOCKS).host
+    assert np.unique(sched.short_bwd.entries[:, 0]).tolist() == [0, 1, 2, 3]
+    quarter = want[0].float() / 4  # exact: the listed partials' sum is want's dq whatever their order
+    # head 0 in sequences 3 and 1 (1 holding three quarters), head 1 in sequence 2 alone
+    sources = torch.tensor([[3, 1], [2, -1]], dtype=torch.int32)
+
+    def short_pass(q, k, v, dout, dq, dk, dv, row_max, row_sum, delta, schedule, problem, partial):
+        assert partial and dq.dtype == torch.float32
+        dq[3 * 20:4 * 20, 0] = quarter[:, 0]
+        dq[1 * 20:2 * 20, 0] = 3 * quarter[:, 0]
+        dq[2 * 20:3 * 20, 1] = 4 * quarter[:, 1]
+        dk.copy_(want[1])
+        dv.copy_(want[2])
+        return sources
+
+    with nan_filled_allocations():
+        got = triton_backend.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem, short_pass=short_pass)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("broadcast_q", [False, True])
+def test_short_lists_deal_the_short_table_and_list_every_partial(broadcast_q):
+    """The TLX short-query pass's lists (`short_lists`): the Triton short-query table's tiles dealt to the
+    programs (segments per head with broadcast_q, `ts.program_lists`), the table and lists copied to the
+    device once per schedule; with broadcast_q the reduction's sources are, per head, the segments' sequences
+    and then every packed sequence (the Triton packed kernel writes each one's partial)."""
+    from jfa.tlx import backend
+    from jfa.triton import backend as triton_backend
+
+    q_lens = [30] * 6 if broadcast_q else [100, 30, 128, 20, 64, 50]
+    kv_lens = [700, 10, 300, 20, 32, 129]  # with broadcast_q, 1, 3 and 4 are packed (D 128: 32 rows and keys)
+    (_, _, _), problem = _problem(q_lens, kv_lens, hq=2, hkv=2, broadcast_q=broadcast_q)
+    schedule = triton_backend.device_schedule(problem, triton_backend.config_for(problem)).host
+    packed = np.sort(schedule.packed_bwd.seqs[schedule.packed_bwd.seqs >= 0])
+    tiles, rows, starts, sources = backend.short_lists(problem, schedule, 3, broadcast_q)
+    lists = ts.program_lists(schedule.short_bwd, 3, broadcast_q)
+    assert torch.equal(tiles.cpu(), torch.from_numpy(schedule.short_bwd.entries.ravel()))
+    assert torch.equal(rows.cpu(), torch.from_numpy(lists.rows.ravel()))
+    assert torch.equal(starts.cpu(), torch.from_numpy(lists.starts))
+    if broadcast_q:
+        assert packed.tolist() == [1, 3, 4]
+        want = np.concatenate([lists.sources, np.broadcast_to(packed, (2, 3))], axis=1)
+        assert torch.equal(sources.cpu(), torch.from_numpy(want.astype(np.int32)))
+    else:
+        assert sources is None
+    assert backend.short_lists(problem, schedule, 3, broadcast_q)[1] is rows  # copied once
 
 
 @pytest.fixture

@@ -552,31 +552,51 @@ def test_row_records_after_a_given_dq_pass_match_the_dq_kernels():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("listed", [False, True])  # one partial per sequence; per head, a list of them
 @pytest.mark.parametrize("partials", [1, 5, 33])  # the three loads-per-step regimes of dq_reduce_unroll
-def test_dq_reduction_adds_the_partials_in_order(partials):
-    """`_dq_reduce_kernel` with the backward's unroll: each element the fp32 sum of its partials in sequence order
-    (a tail step's masked loads add nothing), bitwise, whatever the number of loads in flight. Stored as fp32 here
-    (the op's bf16 rounding would hide the order); values of mixed signs and magnitudes, so that another order
-    sums differently."""
+def test_dq_reduction_adds_the_partials_in_order(partials, listed):
+    """`_dq_reduce_kernel` with the backward's unroll: each element the fp32 sum of its partials in order (a
+    tail step's masked loads add nothing), bitwise, whatever the number of loads in flight: every sequence's
+    in sequence order, or (`listed`) those its head's row of Sources names, in that order, -1 adding
+    nothing (the partials not named are NaN: reading one would show). Stored as fp32 here (the op's bf16
+    rounding would hide the order); values of mixed signs and magnitudes, so that another order sums
+    differently."""
     from jfa.triton import backend
     from jfa.triton import backward as kernels
 
-    n_elem = backend.DQ_REDUCE_BLOCK + 37  # a second, partly masked program
+    heads, head_dim = 3, 16
+    n_elem = 11 * heads * head_dim  # [rows, heads, head_dim]: a second, partly masked program
     gen = torch.Generator().manual_seed(partials)
-    parts = torch.randn(partials, n_elem, generator=gen) * torch.exp2(torch.randint(-12, 12, (partials, n_elem),
+    n_seqs = 2 * partials + 1 if listed else partials
+    parts = torch.randn(n_seqs, n_elem, generator=gen) * torch.exp2(torch.randint(-12, 12, (n_seqs, n_elem),
                                                                                   generator=gen).float())
-    want = torch.zeros(n_elem)
-    for part in parts:  # fp32 additions in sequence order
-        want += part
+    order = torch.arange(n_seqs).expand(heads, n_seqs)[:, :partials]
+    sources = None
+    if listed:
+        order = torch.stack([torch.randperm(n_seqs, generator=gen)[:partials] for _ in range(heads)])
+        sources = order.clone().to(torch.int32)
+        sources[-1, partials // 2:] = -1  # the last head lists fewer
+        unlisted = torch.ones(n_seqs, heads, dtype=torch.bool)
+        for h in range(heads):
+            unlisted[sources[h][sources[h] >= 0].long(), h] = False
+        parts.view(n_seqs, -1, heads, head_dim).transpose(1, 2)[unlisted] = float("nan")
+    per_head = parts.view(n_seqs, -1, heads, head_dim)
+    want = torch.zeros(per_head.shape[1:])
+    for h in range(heads):  # fp32 additions in the order listed
+        for b in (sources[h] if listed else order[h]).tolist():
+            if b >= 0:
+                want[:, h] += per_head[b, :, h]
     got = torch.empty(n_elem)
     kernels._dq_reduce_kernel[(triton.cdiv(n_elem, backend.DQ_REDUCE_BLOCK),)](
-        parts.reshape(-1), got, partials, n_elem, BLOCK=backend.DQ_REDUCE_BLOCK,
+        parts.reshape(-1), got, sources, partials, n_elem, heads, head_dim, BLOCK=backend.DQ_REDUCE_BLOCK,
         UNROLL=backend.dq_reduce_unroll(partials), INTERPRET=True, num_warps=4)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got, want.reshape(-1), rtol=0, atol=0)
     if partials > 1:  # the check can tell orders apart: the reversed order's sum differs somewhere
-        reversed_sum = torch.zeros(n_elem)
-        for part in parts.flip(0):
-            reversed_sum += part
+        reversed_sum = torch.zeros(per_head.shape[1:])
+        for h in range(heads):
+            for b in (sources[h] if listed else order[h]).flip(0).tolist():
+                if b >= 0:
+                    reversed_sum[:, h] += per_head[b, :, h]
         assert not torch.equal(reversed_sum, want)
 
 

@@ -18,7 +18,9 @@ Backward (`config()["backward"]` says which): `jfa.triton.backend.BACKEND.backwa
 own kernels), its short-query, dQ and dK/dV passes replaced by the kernels of `jfa.tlx.backward` where the
 head dims are the TLX forward's (D = Dv in {64, 128}; `tlx_dkv`). The short-query pass (`tlx_short`, with key
 rows) takes the Triton short-query table's tiles (at most 128 query rows, no GQA: broadcast_q's sequences
-typically) in both modes: dq, dk and dv in one pass over the keys, dq held in registers, deterministic. With
+typically) in both modes: dq, dk and dv in one pass over the keys, dq held in registers, deterministic; with
+broadcast_q each program sums its sequences' dq per head before storing it (`short_lists`), so the Triton
+reduction over sequences reads one fp32 partial per program and head instead of one per sequence. With
 deterministic=False and key rows (`tlx_dq_reduce`) one pass: the dK/dV kernel also adds dq by TMA reduce into
 an fp32 array (dq summed in no fixed order; dk and dv deterministic). With deterministic=True two passes, the
 dQ pass only with key rows and without broadcast_q (`tlx_dq`; broadcast_q's dQ is the Triton reduction over
@@ -395,11 +397,34 @@ def tlx_short(problem: Problem) -> bool:
     return tlx_dkv(problem) and problem.kv_rows > 0
 
 
-def _launch_short(q, k, v, dout, dq, dk, dv, row_max, row_sum, delta, table, problem: Problem, partial: bool) -> None:
-    """The TLX short-query pass (`jfa.tlx.backward.short_ws_kernel`) over the Triton short-query tile table
-    `table` (device int32 entries, heads adjacent: a short-query sequence is one entry, so its runs would all
-    be of length 1; blocks of SHORT_BLOCK_M × SHORT_BLOCK_N, as the kernel walks them): dq (the fp32
-    partial at the output rows when `partial`), dk and dv of its sequences; D (delta) computed before."""
+def short_lists(problem: Problem, schedule: ts.Schedule, programs: int, accumulate: bool):
+    """The short-query pass's tiles dealt to `programs` programs (`ts.program_lists` of the Triton short-query
+    table of `schedule`; `accumulate`: broadcast_q's segments) on the problem's device: (tiles, rows, starts,
+    sources), kept with the schedule (so per length profile, mask and config), copied once per device.
+    `sources`, with `accumulate`: per head the partials the dq reduction sums, the segments' and then every
+    packed sequence's (the Triton packed kernel writes one per sequence); None otherwise."""
+    key = ("tlx short lists", programs, accumulate, str(problem.device))
+    if key not in schedule.derived:
+        lists = ts.program_lists(schedule.short_bwd, programs, accumulate)
+        parts = [schedule.short_bwd.entries.ravel(), lists.rows.ravel(), lists.starts]
+        if accumulate:
+            packed = np.sort(schedule.packed_bwd.seqs[schedule.packed_bwd.seqs >= 0])
+            heads = lists.sources.shape[0]
+            sources = np.concatenate([lists.sources, np.broadcast_to(packed, (heads, packed.size))], axis=1)
+            parts.append(sources.ravel())
+        flat = torch.from_numpy(np.concatenate(parts).astype(np.int32)).to(problem.device)
+        views = list(torch.split(flat, [part.size for part in parts]))
+        schedule.derived[key] = (*views[:3], views[3].view(sources.shape) if accumulate else None)
+    return schedule.derived[key]
+
+
+def _launch_short(q, k, v, dout, dq, dk, dv, row_max, row_sum, delta, schedule: ts.Schedule, problem: Problem,
+                  partial: bool):
+    """The TLX short-query pass (`jfa.tlx.backward.short_ws_kernel`) over the Triton short-query table of
+    `schedule` (the host schedule; blocks of SHORT_BLOCK_M × SHORT_BLOCK_N, as the kernel walks them): dq (the
+    fp32 partial at the output rows when `partial`), dk and dv of its sequences; D (delta) computed before.
+    With broadcast_q each program sums its tiles' dq per segment (`short_lists`) and the call returns the
+    partials the dq reduction is to sum (device int32 [Hq, n], -1 padding); otherwise None (one per sequence)."""
     from jfa.triton.backend import effective_window, scale_log2
 
     device = q.device
@@ -409,12 +434,13 @@ def _launch_short(q, k, v, dout, dq, dk, dv, row_max, row_sum, delta, table, pro
     desc_k, sk_h = _descriptor(k, SHORT_BLOCK_N)
     desc_v, sv_h = _descriptor(v, SHORT_BLOCK_N)
     desc_m, desc_l, desc_delta = (_statistics_descriptor(x, SHORT_BLOCK_M) for x in (row_max, row_sum, delta))
-    n_tiles = table.numel() // 2 * problem.q_heads
+    programs = _persistent_programs(schedule.short_bwd.n_tiles, device)
+    tiles, rows, starts, sources = short_lists(problem, schedule, programs, problem.broadcast_q)
     scale = problem.sm_scale
     launch_confirmed(
-        problem, kernel, (_persistent_programs(n_tiles, device),),
+        problem, kernel, (programs,),
         desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, dq, dk, dv,
-        table, n_tiles, problem.q_offsets, problem.out_offsets, problem.kv_offsets,
+        tiles, rows, starts, problem.q_offsets, problem.out_offsets, problem.kv_offsets,
         sq_h, sdo_h, sk_h, sv_h, dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         row_max.stride(0), q.shape[0], dout.shape[0], k.shape[0], scale_log2(problem), scale,
         effective_window(problem), problem.q_heads,
@@ -422,6 +448,7 @@ def _launch_short(q, k, v, dout, dq, dk, dv, row_max, row_sum, delta, table, pro
         V_BUFFERS=SHORT_V_BUFFERS, NEG_SCALE=scale < 0, HAS_WINDOW=problem.window is not None,
         CAUSAL=problem.causal, DQ_PARTIAL=partial, num_warps=NUM_WARPS, num_stages=1,
     )
+    return sources
 
 
 class TlxBackend:

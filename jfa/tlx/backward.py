@@ -384,10 +384,17 @@ def dq_ws_kernel(
 # block 2i + c of pair i, against all the query rows: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, Pᵀ recomputed, dv = Pᵀ·dO
 # and dk = dSᵀ·Q complete and stored at once. dq stays in registers over the whole sequence, split by columns
 # (consumer c holds dq[:, c·D/2 : (c + 1)·D/2], 128 rows × D/2 in fp32): each pair's two dSᵀ tiles meet in
-# shared memory (named barrier DS_READY) and each consumer adds both blocks' dS·K to its columns. dq is stored
-# once per tile (the fp32 partial at the output rows when `DQ_PARTIAL`), so every gradient is deterministic;
-# the products and their order are the Triton short-query kernel's (128 × 64 blocks), and so are the bits
-# (the same dq, dk and dv on jfa.bench's broadcast row on the H200, in both modes).
+# shared memory (named barrier DS_READY) and each consumer adds both blocks' dS·K to its columns. The tiles come
+# from a host-made list per program (`jfa.tile_scheduler.program_lists`), and dq is stored at the end of each
+# *segment* of it: without broadcast_q every tile is one (the zigzag dealing; dq, or the fp32 partial at the
+# output rows when `DQ_PARTIAL`, stored once per tile), and the products and their order are the Triton
+# short-query kernel's (128 × 64 blocks), so are the bits (dq, dk and dv on jfa.bench's broadcast row, H200,
+# 2026-12-01, before the segments). With broadcast_q (every sequence's dq adds into the same query rows) a
+# segment is a program's run of tiles of one head: it sums their dq in registers and stores one fp32 partial,
+# at its first sequence's output rows, which the Triton reduction sums with the others in a fixed order (about
+# 132 + Hq partials instead of B·Hq; on jfa.bench's broadcast row, H200, 2026-12-04, the reduction 0.093 ->
+# 0.015 ms, this pass 1.468 -> 1.474 ms, forward+backward 0.969x, the same dk and dv bits). The dealing is
+# static, so dq stays deterministic; its bits differ from the Triton kernel's (another order of the sum).
 # Barriers: q_full/q_empty (one slot; q_empty takes both consumers' arrivals), k_full/k_empty and v_full/v_empty
 # per ring slot (k_empty: both consumers, after the pair's dq products read the block's K; v_empty: the block's
 # consumer, once its dv and dk went out through the slot (below): V is released before the pair's dq products,
@@ -407,19 +414,18 @@ def dq_ws_kernel(
 
 @triton.jit
 def _load_short(desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, q_tile, do_tile, k_tiles, v_tiles,
-                m_tile, l_tile, delta_tile, q_full, q_empty, k_full, k_empty, v_full, v_empty, tiles, n_tiles,
-                q_offsets, out_offsets, kv_offsets, sq_h, sdo_h, sk_h, sv_h, stat_h, q_rows, out_rows, kv_rows, window,
-                n_heads,
+                m_tile, l_tile, delta_tile, q_full, q_empty, k_full, k_empty, v_full, v_empty, tiles, lists,
+                list_starts, q_offsets, out_offsets, kv_offsets, sq_h, sdo_h, sk_h, sv_h, stat_h, q_rows, out_rows,
+                kv_rows, window, n_heads,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_BUFFERS: tl.constexpr,
                 V_BUFFERS: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
     """The producer: per tile the query block with its dO and statistics, then every key block it visits."""
     ELEM: tl.constexpr = tlx.size_of(tlx.dtype_of(desc_q))
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+    list_start = tl.load(list_starts + tl.program_id(0))
     kv_count = 0
-    for r in range(0, _rounds(pid, nprog, n_tiles)):
+    for r in range(0, tl.load(list_starts + tl.program_id(0) + 1) - list_start):
         head, _, q_start, out_start, _, kv_start, _, lo, _, _, hi = _tile(
-            tiles, _tile_round(r, pid, nprog), n_heads, q_offsets, out_offsets, kv_offsets, window, BLOCK_M,
+            tiles, tl.load(lists + 2 * (list_start + r)), n_heads, q_offsets, out_offsets, kv_offsets, window, BLOCK_M,
             BLOCK_N, HAS_WINDOW, CAUSAL, False)
         tlx.barrier_wait(q_empty[0], (r & 1) ^ 1)  # both consumers retired the previous tile's products
         tlx.barrier_expect_bytes(q_full[0], 2 * ELEM * BLOCK_M * HEAD_DIM + 3 * 4 * 2 * BLOCK_M)
@@ -465,31 +471,31 @@ def _zero_keys(DK, DV, kv_start, head, start, end, sdk_t, sdk_h, sdv_t, sdv_h, D
 
 @triton.jit
 def _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, q_full, q_empty, k_full, k_empty,
-                 v_full, v_empty, ds_tiles, ds_free, DQ, DK, DV, tiles, n_tiles, q_offsets, out_offsets, kv_offsets,
-                 sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, scale_log2, sm_scale, window, n_heads,
+                 v_full, v_empty, ds_tiles, ds_free, DQ, DK, DV, tiles, lists, list_starts, q_offsets, out_offsets,
+                 kv_offsets, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, scale_log2, sm_scale, window, n_heads,
                  cid: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_BUFFERS: tl.constexpr,
                  V_BUFFERS: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
                  DQ_PARTIAL: tl.constexpr):
     """Consumer `cid`: dk and dv of key blocks 2i + cid of every tile of this program, and columns
-    [cid·D/2, cid·D/2 + D/2) of every tile's dq."""
+    [cid·D/2, cid·D/2 + D/2) of dq, summed over each segment of the program's list (`ProgramLists`) and stored
+    at its end."""
     COLS: tl.constexpr = HEAD_DIM // 2
     DT: tl.constexpr = DK.dtype.element_ty
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+    list_start = tl.load(list_starts + tl.program_id(0))
     offs_q = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     kv_count = 0  # key blocks of this program's earlier tiles (the ring position of block 0 of this one)
     written = 0  # dSᵀ tiles this consumer has written (the phase of ds_free[cid])
-    for r in range(0, _rounds(pid, nprog, n_tiles)):
+    dq = tl.zeros([BLOCK_M, COLS], dtype=tl.float32)
+    for r in range(0, tl.load(list_starts + tl.program_id(0) + 1) - list_start):
         head, _, q_start, out_start, q_len, kv_start, kv_len, lo, full_lo, full_hi, hi = _tile(
-            tiles, _tile_round(r, pid, nprog), n_heads, q_offsets, out_offsets, kv_offsets, window, BLOCK_M,
+            tiles, tl.load(lists + 2 * (list_start + r)), n_heads, q_offsets, out_offsets, kv_offsets, window, BLOCK_M,
             BLOCK_N, HAS_WINDOW, CAUSAL, False)
         row_ok = offs_q < q_len
         stat_at = (head * stat_h + out_start) % STAT_ALIGN + offs_q  # in the statistics boxes
         n_blocks = tl.cdiv(hi - lo, BLOCK_N)
         tlx.barrier_wait(q_full[0], r & 1)
-        dq = tl.zeros([BLOCK_M, COLS], dtype=tl.float32)
         for i in range(0, tl.cdiv(n_blocks, 2)):
             j = 2 * i + cid
             if j < n_blocks:
@@ -560,32 +566,44 @@ def _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, 
             _zero_keys(DK, DV, kv_start, head, 0, lo, sdk_t, sdk_h, sdv_t, sdv_h, DT, HEAD_DIM, BLOCK_N)
         else:
             _zero_keys(DK, DV, kv_start, head, hi, kv_len, sdk_t, sdk_h, sdv_t, sdv_h, DT, HEAD_DIM, BLOCK_N)
-        dq = dq * sm_scale
+        dest = tl.load(lists + 2 * (list_start + r) + 1)
+        if dest >= 0:  # the segment ends: its dq goes to sequence dest's rows
+            _store_dq(dq * sm_scale, DQ, q_offsets, out_offsets, dest, head, row_ok, sdq_t, sdq_h, cid, DT, BLOCK_M,
+                      COLS, DQ_PARTIAL)
+            dq = tl.zeros([BLOCK_M, COLS], dtype=tl.float32)
+
+
+@triton.jit
+def _store_dq(dq, DQ, q_offsets, out_offsets, dest, head, row_ok, sdq_t, sdq_h, cid: tl.constexpr, DT: tl.constexpr,
+              BLOCK_M: tl.constexpr, COLS: tl.constexpr, DQ_PARTIAL: tl.constexpr):
+    """Consumer `cid`'s columns of a segment's dq (times the scale) at sequence dest's rows: the fp32 partial at
+    its output rows when DQ_PARTIAL, else dq itself at its query rows."""
+    offs_q = tl.arange(0, BLOCK_M)
+    if DQ_PARTIAL:
+        dq_rows = tl.cast(tl.load(out_offsets + dest) + offs_q, tl.int64) * sdq_t + tl.cast(head, tl.int64) * sdq_h
+        # in four column quarters: the layout conversion of the store goes through shared memory, and a
+        # quarter's needs a quarter of the whole's 16 KB a consumer (what makes the K ring of 4 fit)
+        Q4: tl.constexpr = COLS // 4
+        quarters = tl.permute(tl.reshape(dq, [BLOCK_M, 2, 2, Q4]), [0, 3, 1, 2])
+        half_0, half_1 = tl.split(quarters)  # b = 0, 1 of column a·2·Q4 + b·Q4 + j
+        q00, q10 = tl.split(half_0)
+        q01, q11 = tl.split(half_1)
+        cols_q = cid * COLS + tl.arange(0, Q4)
+        base = DQ + dq_rows[:, None] + cols_q[None, :]
+        tl.store(base, q00, mask=row_ok[:, None])
+        tl.store(base + Q4, q01, mask=row_ok[:, None])
+        tl.store(base + 2 * Q4, q10, mask=row_ok[:, None])
+        tl.store(base + 3 * Q4, q11, mask=row_ok[:, None])
+    else:
+        dq_rows = tl.cast(tl.load(q_offsets + dest) + offs_q, tl.int64) * sdq_t + tl.cast(head, tl.int64) * sdq_h
         cols = cid * COLS + tl.arange(0, COLS)
-        if DQ_PARTIAL:
-            dq_rows = tl.cast(out_start + offs_q, tl.int64) * sdq_t + tl.cast(head, tl.int64) * sdq_h
-            # in four column quarters: the layout conversion of the store goes through shared memory, and a
-            # quarter's needs a quarter of the whole's 16 KB a consumer (what makes the K ring of 4 fit)
-            Q4: tl.constexpr = COLS // 4
-            quarters = tl.permute(tl.reshape(dq, [BLOCK_M, 2, 2, Q4]), [0, 3, 1, 2])
-            half_0, half_1 = tl.split(quarters)  # b = 0, 1 of column a·2·Q4 + b·Q4 + j
-            q00, q10 = tl.split(half_0)
-            q01, q11 = tl.split(half_1)
-            cols_q = cid * COLS + tl.arange(0, Q4)
-            base = DQ + dq_rows[:, None] + cols_q[None, :]
-            tl.store(base, q00, mask=row_ok[:, None])
-            tl.store(base + Q4, q01, mask=row_ok[:, None])
-            tl.store(base + 2 * Q4, q10, mask=row_ok[:, None])
-            tl.store(base + 3 * Q4, q11, mask=row_ok[:, None])
-        else:
-            dq_rows = tl.cast(q_start + offs_q, tl.int64) * sdq_t + tl.cast(head, tl.int64) * sdq_h
-            tl.store(DQ + dq_rows[:, None] + cols[None, :], dq.to(DT), mask=row_ok[:, None])
+        tl.store(DQ + dq_rows[:, None] + cols[None, :], dq.to(DT), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["n_tiles", "n_heads", "window", "stat_h", "q_rows", "out_rows", "kv_rows"])
+@triton.jit(do_not_specialize=["n_heads", "window", "stat_h", "q_rows", "out_rows", "kv_rows"])
 def short_ws_kernel(
     desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, DQ, DK, DV,
-    tiles, n_tiles, q_offsets, out_offsets, kv_offsets,
+    tiles, lists, list_starts, q_offsets, out_offsets, kv_offsets,
     sq_h, sdo_h, sk_h, sv_h, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, q_rows, out_rows, kv_rows,
     scale_log2, sm_scale, window, n_heads,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_BUFFERS: tl.constexpr,
@@ -593,7 +611,9 @@ def short_ws_kernel(
     DQ_PARTIAL: tl.constexpr,
 ):
     """Persistent warp-specialised short-query backward over the tiles of `tiles` (int32 [n_entries, 2]:
-    sequence, 0; heads adjacent): dq (fp32 partial at the output rows when DQ_PARTIAL), dk and dv."""
+    sequence, 0; heads adjacent), program p taking those of rows [list_starts[p], list_starts[p + 1]) of
+    `lists` (`jfa.tile_scheduler.ProgramLists`): dq (the fp32 partial at the output rows when DQ_PARTIAL) of
+    each segment, dk and dv."""
     DT: tl.constexpr = tlx.dtype_of(desc_q)
     q_tile = tlx.local_alloc((BLOCK_M, HEAD_DIM), DT, 1)
     do_tile = tlx.local_alloc((BLOCK_M, HEAD_DIM), DT, 1)
@@ -614,12 +634,12 @@ def short_ws_kernel(
         with tlx.async_task("default"):
             _load_short(desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, q_tile, do_tile, k_tiles,
                         v_tiles, m_tile, l_tile, delta_tile, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                        tiles, n_tiles, q_offsets, out_offsets, kv_offsets, sq_h, sdo_h, sk_h, sv_h, stat_h, q_rows,
-                        out_rows, kv_rows, window, n_heads, HEAD_DIM, BLOCK_M, BLOCK_N, K_BUFFERS, V_BUFFERS,
+                        tiles, lists, list_starts, q_offsets, out_offsets, kv_offsets, sq_h, sdo_h, sk_h, sv_h, stat_h,
+                        q_rows, out_rows, kv_rows, window, n_heads, HEAD_DIM, BLOCK_M, BLOCK_N, K_BUFFERS, V_BUFFERS,
                         HAS_WINDOW, CAUSAL)
         with tlx.async_task(num_warps=4, registers=CONSUMER_REGISTERS, replicate=2):
             _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, q_full, q_empty, k_full,
-                         k_empty, v_full, v_empty, ds_tiles, ds_free, DQ, DK, DV, tiles, n_tiles, q_offsets,
-                         out_offsets, kv_offsets, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, scale_log2,
-                         sm_scale, window, n_heads, tlx.async_task_replica_id(), HEAD_DIM, BLOCK_M, BLOCK_N,
-                         K_BUFFERS, V_BUFFERS, NEG_SCALE, HAS_WINDOW, CAUSAL, DQ_PARTIAL)
+                         k_empty, v_full, v_empty, ds_tiles, ds_free, DQ, DK, DV, tiles, lists, list_starts,
+                         q_offsets, out_offsets, kv_offsets, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h,
+                         scale_log2, sm_scale, window, n_heads, tlx.async_task_replica_id(), HEAD_DIM, BLOCK_M,
+                         BLOCK_N, K_BUFFERS, V_BUFFERS, NEG_SCALE, HAS_WINDOW, CAUSAL, DQ_PARTIAL)

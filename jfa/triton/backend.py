@@ -402,8 +402,11 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
     ordinary sequences (no dK/dV tiles) it does not apply: the packed kernels' usual dq is cheaper.
 
     `short_pass` likewise replaces `_bwd_short_kernel`: short_pass(q, k, v, dout, dq, dk, dv, row_max, row_sum,
-    delta, table, problem, partial) over the short-query tile table `table` (device int32), `dq` the fp32
-    partial target when `partial`, else dq itself; it reads D, which `_delta_kernel` computes first."""
+    delta, schedule, problem, partial) over the short-query tile table of `schedule` (the host `ts.Schedule`),
+    `dq` the fp32 partial target when `partial`, else dq itself; it reads D, which `_delta_kernel` computes
+    first. It returns None, or with broadcast_q the partials `_dq_reduce_kernel` is to sum in place of one per
+    sequence: device int32 [Hq, n], per head the sequences whose partial rows hold that head's terms, in the
+    order of the sum (-1: none), every pass's included."""
     row_max, row_sum = residuals
     device = q.device
     dq = torch.empty(q.shape, dtype=q.dtype, device=device)
@@ -453,8 +456,9 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
     table = sched.host.short_bwd
     if dq_in_dkv or short_pass is not None:  # passes that read D and compute none
         _delta(out, dout, delta, problem)
+    sources = None  # the partials of broadcast_q's dq when not one per sequence
     if short_pass is not None:
-        short_pass(q, k, v, dout, dq_target, dk, dv, row_max, row_sum, delta, sched.short_bwd, problem, partial)
+        sources = short_pass(q, k, v, dout, dq_target, dk, dv, row_max, row_sum, delta, sched.host, problem, partial)
     elif table.n_tiles:
         n = table.n_tiles
         _launch(bwd_kernels._bwd_short_kernel, config.short_bwd, _programs(n, config.short_bwd, schedule, device),
@@ -490,10 +494,10 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
     if partial:
         n_elem = dq.numel()
         if n_elem:
-            partials = problem.batch if problem.broadcast_q else 1
+            partials = sources.shape[1] if sources is not None else problem.batch if problem.broadcast_q else 1
             prepare(bwd_kernels._dq_reduce_kernel, (triton.cdiv(n_elem, DQ_REDUCE_BLOCK),),
-                    dq_target, dq, partials, n_elem, BLOCK=DQ_REDUCE_BLOCK, UNROLL=dq_reduce_unroll(partials),
-                    INTERPRET=interpreting(), num_warps=4)()
+                    dq_target, dq, sources, partials, n_elem, hq, problem.head_dim, BLOCK=DQ_REDUCE_BLOCK,
+                    UNROLL=dq_reduce_unroll(partials), INTERPRET=interpreting(), num_warps=4)()
     return dq, dk, dv
 
 

@@ -30,7 +30,8 @@ tile in one program: dq per head, dk and dv summed over the group's heads.
 
 broadcast_q: dq of the shared query sequence is the sum over the B sequences. Each sequence's dq is
 written as an fp32 partial at its output rows ([out_rows, Hq, D] fp32, i.e. O(T·H·D) extra memory), and
-`_dq_reduce_kernel` adds the partials in sequence order (deterministic) and rounds once.
+`_dq_reduce_kernel` adds the partials in sequence order, or (a short-query pass that sums its sequences' dq
+per program: the tlx backend's) those it lists per head in its order (deterministic either way), and rounds once.
 
 A dK/dV pass that also produces dq (the tlx backend's, given `dq_in_dkv` in `jfa.triton.backend.backward`)
 needs D before any dq pass: `_delta_kernel` computes it for every output row, as the dQ kernel does. Where
@@ -501,18 +502,26 @@ def _bwd_packed_kernel(
 
 
 @kernel
-def _dq_reduce_kernel(Part, DQ, n_seqs, n_elem, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
-                      INTERPRET: tl.constexpr):
-    """DQ[e] = sum over b (in order) of Part[b·n_elem + e]; UNROLL loads in flight per step."""
+def _dq_reduce_kernel(Part, DQ, Sources, n_parts, n_elem, n_heads, head_dim, BLOCK: tl.constexpr,
+                      UNROLL: tl.constexpr, INTERPRET: tl.constexpr):
+    """DQ[e] = sum over j < n_parts (in order) of Part[b·n_elem + e], b = j without Sources, else the head's
+    Sources[h, j] (int32 [n_heads, n_parts], -1: none; DQ is [rows, n_heads, head_dim]); UNROLL loads in
+    flight per step."""
     DT: tl.constexpr = DQ.dtype.element_ty
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n_elem
+    head_row = (offs // head_dim) % n_heads * n_parts  # Sources' row of each element's head
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for b0 in range(0, n_seqs, UNROLL):
+    for j0 in range(0, n_parts, UNROLL):
         for u in tl.static_range(UNROLL):
-            b = tl.full([], 0, tl.int64) + b0 + u
-            in_batch = (offs * 0 + b) < n_seqs  # a vector: the interpreter rejects scalar & vector masks
-            acc += tl.load(Part + b * n_elem + offs, mask=ok & in_batch, other=0.0)
+            j = tl.full([], 0, tl.int64) + j0 + u
+            take = ok & ((offs * 0 + j) < n_parts)  # a vector: the interpreter rejects scalar & vector masks
+            if Sources is None:
+                b = j
+            else:
+                b = tl.load(Sources + head_row + j, mask=take, other=-1).to(tl.int64)
+                take = take & (b >= 0)
+            acc += tl.load(Part + b * n_elem + offs, mask=take, other=0.0)
     tl.store(DQ + offs, stored(acc, DT, INTERPRET), mask=ok)
 
 

@@ -109,9 +109,13 @@ def variants(quick: bool = False, head_dims: list[tuple[int, int]] | None = None
                 for role, partial in roles:
                     out += role_variants(role, getattr(cfg, role), d, dv, dt, causal, window, partial)
                 out += role_variants("packed_fwd", cfg.packed_fwd, d, dv, dt, causal, window, redo=True)
-    out += [Variant(f"dq_reduce unroll={unroll} {dt}", "_dq_reduce_kernel", {"Part": "fp32", "DQ": dt},
-                    dict(BLOCK=backend.DQ_REDUCE_BLOCK, UNROLL=unroll, INTERPRET=False), 4, 2)
-            for unroll in sorted({backend.dq_reduce_unroll(n) for n in (1, 2, 32)}) for dt in dtypes]
+    # one partial per sequence (Sources None), and a short-query pass's list of them (the tlx backend's)
+    out += [Variant(f"dq_reduce unroll={unroll}{' sources' if listed else ''} {dt}", "_dq_reduce_kernel",
+                    {"Part": "fp32", "DQ": dt, **({"Sources": "i32"} if listed else {})},
+                    dict(BLOCK=backend.DQ_REDUCE_BLOCK, UNROLL=unroll, INTERPRET=False,
+                         **({} if listed else {"Sources": None})), 4, 2)
+            for unroll in sorted({backend.dq_reduce_unroll(n) for n in (1, 2, 32)}) for dt in dtypes
+            for listed in (False, True)]
     out += [Variant(f"delta dv={dv} {dt}", "_delta_kernel", {"Out": dt, "DOut": dt, "Delta": "fp32"},
                     dict(HEAD_DIM_V=dv, BLOCK_DV=backend.padded_dim(dv), BLOCK=64), 4, 2)
             for dv in sorted({dv for _, dv in dims}) for dt in dtypes]
