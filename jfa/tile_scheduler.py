@@ -384,7 +384,7 @@ def program_lists(table: TileTable, n_programs: int, accumulate: bool) -> Progra
         dealt = zigzag_assignment(n_tiles, n_programs)
         order = np.concatenate([np.zeros(0, np.int64), *dealt])
         starts = np.r_[0, np.cumsum([a.size for a in dealt], dtype=np.int64)]
-        rows = np.stack([order, seqs[order // max(heads, 1)]], axis=1)
+        rows = np.stack([order, seqs[order // heads]], axis=1)
         return ProgramLists(np.ascontiguousarray(rows, dtype=np.int32), starts.astype(np.int32), None)
     # Within a head the entries go heaviest, lightest, second heaviest, ...: every chunk then holds a mix of
     # heavy and light tiles, so a tile's fixed costs beyond its key blocks (its setup and the Q load it waits

@@ -413,6 +413,13 @@ def dq_ws_kernel(
 
 
 @triton.jit
+def _program_rows(list_starts):
+    """(first row, number of rows) of this program's part of a `jfa.tile_scheduler.ProgramLists` list."""
+    first = tl.load(list_starts + tl.program_id(0))
+    return first, tl.load(list_starts + tl.program_id(0) + 1) - first
+
+
+@triton.jit
 def _load_short(desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, q_tile, do_tile, k_tiles, v_tiles,
                 m_tile, l_tile, delta_tile, q_full, q_empty, k_full, k_empty, v_full, v_empty, tiles, lists,
                 list_starts, q_offsets, out_offsets, kv_offsets, sq_h, sdo_h, sk_h, sv_h, stat_h, q_rows, out_rows,
@@ -421,9 +428,9 @@ def _load_short(desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, q_t
                 V_BUFFERS: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
     """The producer: per tile the query block with its dO and statistics, then every key block it visits."""
     ELEM: tl.constexpr = tlx.size_of(tlx.dtype_of(desc_q))
-    list_start = tl.load(list_starts + tl.program_id(0))
+    list_start, n_listed = _program_rows(list_starts)
     kv_count = 0
-    for r in range(0, tl.load(list_starts + tl.program_id(0) + 1) - list_start):
+    for r in range(0, n_listed):
         head, _, q_start, out_start, _, kv_start, _, lo, _, _, hi = _tile(
             tiles, tl.load(lists + 2 * (list_start + r)), n_heads, q_offsets, out_offsets, kv_offsets, window, BLOCK_M,
             BLOCK_N, HAS_WINDOW, CAUSAL, False)
@@ -482,14 +489,14 @@ def _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, 
     at its end."""
     COLS: tl.constexpr = HEAD_DIM // 2
     DT: tl.constexpr = DK.dtype.element_ty
-    list_start = tl.load(list_starts + tl.program_id(0))
+    list_start, n_listed = _program_rows(list_starts)
     offs_q = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     kv_count = 0  # key blocks of this program's earlier tiles (the ring position of block 0 of this one)
     written = 0  # dSᵀ tiles this consumer has written (the phase of ds_free[cid])
     dq = tl.zeros([BLOCK_M, COLS], dtype=tl.float32)
-    for r in range(0, tl.load(list_starts + tl.program_id(0) + 1) - list_start):
-        head, _, q_start, out_start, q_len, kv_start, kv_len, lo, full_lo, full_hi, hi = _tile(
+    for r in range(0, n_listed):
+        head, _, _, out_start, q_len, kv_start, kv_len, lo, full_lo, full_hi, hi = _tile(
             tiles, tl.load(lists + 2 * (list_start + r)), n_heads, q_offsets, out_offsets, kv_offsets, window, BLOCK_M,
             BLOCK_N, HAS_WINDOW, CAUSAL, False)
         row_ok = offs_q < q_len
