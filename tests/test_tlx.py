@@ -127,8 +127,9 @@ def test_short_query_table_blocks_are_the_tlx_short_pass_blocks():
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_triton_backward_runs_a_given_short_pass_instead_of_its_kernel(small_blocks, monkeypatch, deterministic):
     """With `short_pass` the Triton backward leaves dq, dk and dv of the short-query sequences to it: called
-    once with the host schedule and the dq output (not partial without broadcast_q and dq_in_dkv), after D of
-    every row has been computed, which happens once (the dq_in_dkv pass reads the same D)."""
+    once with the host schedule, the forward's output (it computes its rows' D, as the Triton short-query
+    kernel does) and the dq output (not partial without broadcast_q and dq_in_dkv). D of every row is computed
+    by the D kernel once, only for the dq_in_dkv dK/dV pass that reads it."""
     from verify.runner import nan_filled_allocations
 
     triton_backend = small_blocks
@@ -147,8 +148,8 @@ def test_triton_backward_runs_a_given_short_pass_instead_of_its_kernel(small_blo
     monkeypatch.setattr(triton_backend, "_delta", lambda *a: deltas.append(a) or real_delta(*a))
     calls = []
 
-    def short_pass(q, k, v, dout, dq, dk, dv, row_max, row_sum, delta, table, problem, partial):
-        calls.append((table, delta.clone(), partial, dq.dtype,
+    def short_pass(q, k, v, out_given, dout, dq, dk, dv, row_max, row_sum, table, problem, partial):
+        calls.append((table, torch.equal(out_given, out), partial, dq.dtype,
                       bool(dk[kv_rows].isnan().all() and dv[kv_rows].isnan().all())))
         dq[q_rows] = want[0][q_rows].to(dq.dtype)
         dk[kv_rows] = want[1][kv_rows]
@@ -157,6 +158,7 @@ def test_triton_backward_runs_a_given_short_pass_instead_of_its_kernel(small_blo
     dkv_pass = None
     if not deterministic:  # the tlx backend's one-pass mode: the dK/dV pass adds dq (here the Triton one's)
         def dkv_pass(q, k, v, dout, dk, dv, row_max, row_sum, delta, table, problem, dq):
+            torch.testing.assert_close(delta, (dout.float() * out.float()).sum(-1).T, rtol=1e-6, atol=1e-6)
             ordinary = torch.from_numpy(rows_of(problem.q_offsets_host.numpy(), np.asarray(q_lens), [3]))
             dk.copy_(torch.where(dk.isnan(), want[1], dk))
             dv.copy_(torch.where(dv.isnan(), want[2], dv))
@@ -165,11 +167,10 @@ def test_triton_backward_runs_a_given_short_pass_instead_of_its_kernel(small_blo
     with nan_filled_allocations():
         got = triton_backend.BACKEND.backward(dout, q, k, v, out, lse, residuals, problem, dkv_pass=dkv_pass,
                                               dq_in_dkv=not deterministic, short_pass=short_pass)
-    assert len(calls) == 1 and len(deltas) == 1
-    table, delta, partial, dq_dtype, unwritten = calls[0]
-    assert table is sched.host and unwritten
+    assert len(calls) == 1 and len(deltas) == (0 if deterministic else 1)
+    table, out_given, partial, dq_dtype, unwritten = calls[0]
+    assert table is sched.host and out_given and unwritten
     assert partial == (not deterministic) and dq_dtype == (torch.float32 if partial else q.dtype)
-    torch.testing.assert_close(delta, (dout.float() * out.float()).sum(-1).T, rtol=1e-6, atol=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
@@ -191,7 +192,7 @@ def test_broadcast_dq_reduction_sums_the_partials_a_short_pass_lists(small_block
     # head 0 in sequences 3 and 1 (1 holding three quarters), head 1 in sequence 2 alone
     sources = torch.tensor([[3, 1], [2, -1]], dtype=torch.int32)
 
-    def short_pass(q, k, v, dout, dq, dk, dv, row_max, row_sum, delta, schedule, problem, partial):
+    def short_pass(q, k, v, out, dout, dq, dk, dv, row_max, row_sum, schedule, problem, partial):
         assert partial and dq.dtype == torch.float32
         dq[3 * 20:4 * 20, 0] = quarter[:, 0]
         dq[1 * 20:2 * 20, 0] = 3 * quarter[:, 0]

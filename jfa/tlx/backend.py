@@ -418,11 +418,12 @@ def short_lists(problem: Problem, schedule: ts.Schedule, programs: int, accumula
     return schedule.derived[key]
 
 
-def _launch_short(q, k, v, dout, dq, dk, dv, row_max, row_sum, delta, schedule: ts.Schedule, problem: Problem,
+def _launch_short(q, k, v, out, dout, dq, dk, dv, row_max, row_sum, schedule: ts.Schedule, problem: Problem,
                   partial: bool):
     """The TLX short-query pass (`jfa.tlx.backward.short_ws_kernel`) over the Triton short-query table of
     `schedule` (the host schedule; blocks of SHORT_BLOCK_M × SHORT_BLOCK_N, as the kernel walks them): dq (the
-    fp32 partial at the output rows when `partial`), dk and dv of its sequences; D (delta) computed before.
+    fp32 partial at the output rows when `partial`), dk and dv of its sequences, from D = rowsum(dO∘O) it
+    computes from `out` and `dout`.
     With broadcast_q each program sums its tiles' dq per segment (`short_lists`) and the call returns the
     partials the dq reduction is to sum (device int32 [Hq, n], -1 padding); otherwise None (one per sequence)."""
     from jfa.triton.backend import effective_window, scale_log2
@@ -433,15 +434,16 @@ def _launch_short(q, k, v, dout, dq, dk, dv, row_max, row_sum, delta, schedule: 
     desc_do, sdo_h = _descriptor(dout, SHORT_BLOCK_M)
     desc_k, sk_h = _descriptor(k, SHORT_BLOCK_N)
     desc_v, sv_h = _descriptor(v, SHORT_BLOCK_N)
-    desc_m, desc_l, desc_delta = (_statistics_descriptor(x, SHORT_BLOCK_M) for x in (row_max, row_sum, delta))
+    desc_m, desc_l = (_statistics_descriptor(x, SHORT_BLOCK_M) for x in (row_max, row_sum))
     programs = _persistent_programs(schedule.short_bwd.n_tiles, device)
     tiles, rows, starts, sources = short_lists(problem, schedule, programs, problem.broadcast_q)
     scale = problem.sm_scale
     launch_confirmed(
         problem, kernel, (programs,),
-        desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, dq, dk, dv,
+        desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, out, dq, dk, dv,
         tiles, rows, starts, problem.q_offsets, problem.out_offsets, problem.kv_offsets,
-        sq_h, sdo_h, sk_h, sv_h, dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        sq_h, sdo_h, out.stride(0), out.stride(1), sk_h, sv_h, dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
+        dv.stride(0), dv.stride(1),
         row_max.stride(0), q.shape[0], dout.shape[0], k.shape[0], scale_log2(problem), scale,
         effective_window(problem), problem.q_heads,
         HEAD_DIM=problem.head_dim, BLOCK_M=SHORT_BLOCK_M, BLOCK_N=SHORT_BLOCK_N, K_BUFFERS=SHORT_K_BUFFERS,

@@ -129,8 +129,10 @@ def _load_blocks(desc_q, desc_do, desc_k, desc_v, desc_shift, desc_scale, desc_d
                 count += 1
 
 
-# Named barrier (ids 9 and 10 are the forward's): both consumers' dSᵀ halves of a block are in shared memory.
+# Named barriers (ids 9 and 10 are the forward's): both consumers' dSᵀ halves of a block are in shared memory;
+# both halves of a short-query tile's D are (`_short_tiles`).
 DS_READY = tl.constexpr(11)
+DELTA_READY = tl.constexpr(12)
 
 
 @triton.jit
@@ -379,9 +381,13 @@ def dq_ws_kernel(
 # ---------------------------------------------------------------------------------------------------------
 # The short-query backward (`short_ws_kernel`): tile = (sequence, query head) of a sequence whose q_len <= 128
 # query rows are all resident (the Triton short-query table: no GQA, so each key's dk and dv come from this
-# tile alone). The producer loads the tile's Q, dO and row statistics (m, l, D) once, then the sequence's key
-# blocks of 64 through rings of K_BUFFERS and V_BUFFERS. The consumers take the blocks in pairs, consumer c
-# block 2i + c of pair i, against all the query rows: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, Pᵀ recomputed, dv = Pᵀ·dO
+# tile alone). The producer loads the tile's Q, dO and row statistics (m, l) once, then the sequence's key
+# blocks of 64 through rings of K_BUFFERS and V_BUFFERS. Each consumer computes D = rowsum(dO∘O) of half the
+# rows at the tile's start (O read from global memory, its load issued before the wait for dO) into shared
+# memory for both (named barrier DELTA_READY), so no D kernel runs before this pass (jfa.bench's broadcast row,
+# H200, 2026-12-04: forward+backward 2.004 -> 1.932 ms a call, the same dk and dv bits). The consumers take
+# the blocks in pairs, consumer c block 2i + c of pair i, against all the query rows: Sᵀ = K·Qᵀ and
+# dPᵀ = V·dOᵀ, Pᵀ recomputed, dv = Pᵀ·dO
 # and dk = dSᵀ·Q complete and stored at once. dq stays in registers over the whole sequence, split by columns
 # (consumer c holds dq[:, c·D/2 : (c + 1)·D/2], 128 rows × D/2 in fp32): each pair's two dSᵀ tiles meet in
 # shared memory (named barrier DS_READY) and each consumer adds both blocks' dS·K to its columns. The tiles come
@@ -420,8 +426,8 @@ def _program_rows(list_starts):
 
 
 @triton.jit
-def _load_short(desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, q_tile, do_tile, k_tiles, v_tiles,
-                m_tile, l_tile, delta_tile, q_full, q_empty, k_full, k_empty, v_full, v_empty, tiles, lists,
+def _load_short(desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, q_tile, do_tile, k_tiles, v_tiles,
+                m_tile, l_tile, q_full, q_empty, k_full, k_empty, v_full, v_empty, tiles, lists,
                 list_starts, q_offsets, out_offsets, kv_offsets, sq_h, sdo_h, sk_h, sv_h, stat_h, q_rows, out_rows,
                 kv_rows, window, n_heads,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_BUFFERS: tl.constexpr,
@@ -435,7 +441,7 @@ def _load_short(desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, q_t
             tiles, tl.load(lists + 2 * (list_start + r)), n_heads, q_offsets, out_offsets, kv_offsets, window, BLOCK_M,
             BLOCK_N, HAS_WINDOW, CAUSAL, False)
         tlx.barrier_wait(q_empty[0], (r & 1) ^ 1)  # both consumers retired the previous tile's products
-        tlx.barrier_expect_bytes(q_full[0], 2 * ELEM * BLOCK_M * HEAD_DIM + 3 * 4 * 2 * BLOCK_M)
+        tlx.barrier_expect_bytes(q_full[0], 2 * ELEM * BLOCK_M * HEAD_DIM + 2 * 4 * 2 * BLOCK_M)
         tlx.async_descriptor_load(desc_q, q_tile[0], [tl.minimum(q_start, q_rows - 1), head * sq_h], q_full[0])
         tlx.async_descriptor_load(desc_do, do_tile[0], [tl.minimum(out_start, out_rows - 1), head * sdo_h],
                                   q_full[0])
@@ -443,7 +449,6 @@ def _load_short(desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, q_t
         aligned = stat - stat % STAT_ALIGN  # TMA's 16-byte aligned start, as in `_load_blocks`
         tlx.async_descriptor_load(desc_m, m_tile[0], [aligned], q_full[0])
         tlx.async_descriptor_load(desc_l, l_tile[0], [aligned], q_full[0])
-        tlx.async_descriptor_load(desc_delta, delta_tile[0], [aligned], q_full[0])
         for n in range(lo, hi, BLOCK_N):
             # Clamped into the tensor: only a block past the sequence (never stored) can start past the last row.
             row = tl.minimum(kv_start + n, kv_rows - 1)
@@ -478,8 +483,9 @@ def _zero_keys(DK, DV, kv_start, head, start, end, sdk_t, sdk_h, sdv_t, sdv_h, D
 
 @triton.jit
 def _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, q_full, q_empty, k_full, k_empty,
-                 v_full, v_empty, ds_tiles, ds_free, DQ, DK, DV, tiles, lists, list_starts, q_offsets, out_offsets,
-                 kv_offsets, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, scale_log2, sm_scale, window, n_heads,
+                 v_full, v_empty, ds_tiles, ds_free, Out, so_t, so_h, DQ, DK, DV, tiles, lists, list_starts,
+                 q_offsets, out_offsets, kv_offsets, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, scale_log2,
+                 sm_scale, window, n_heads,
                  cid: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_BUFFERS: tl.constexpr,
                  V_BUFFERS: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
@@ -488,6 +494,7 @@ def _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, 
     [cid·D/2, cid·D/2 + D/2) of dq, summed over each segment of the program's list (`ProgramLists`) and stored
     at its end."""
     COLS: tl.constexpr = HEAD_DIM // 2
+    HALF: tl.constexpr = BLOCK_M // 2
     DT: tl.constexpr = DK.dtype.element_ty
     list_start, n_listed = _program_rows(list_starts)
     offs_q = tl.arange(0, BLOCK_M)
@@ -502,7 +509,15 @@ def _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, 
         row_ok = offs_q < q_len
         stat_at = (head * stat_h + out_start) % STAT_ALIGN + offs_q  # in the statistics boxes
         n_blocks = tl.cdiv(hi - lo, BLOCK_N)
+        # D = rowsum(dO∘O) of this consumer's half of the rows (`row_delta`, as the D kernel), into delta_tile
+        # for both; O's load goes out before the wait for dO. Rows past the sequence get 0 (masked below too).
+        half_rows = cid * HALF + tl.arange(0, HALF)
+        o = tl.load(Out + (tl.cast(out_start + half_rows, tl.int64) * so_t + tl.cast(head, tl.int64) * so_h)[:, None]
+                    + offs_d[None, :], mask=(half_rows < q_len)[:, None], other=0.0)
         tlx.barrier_wait(q_full[0], r & 1)
+        tlx.local_store(tlx.local_slice(delta_tile[0], [cid * HALF], [HALF]),
+                        row_delta(tlx.local_load(tlx.local_slice(do_tile[0], [cid * HALF, 0], [HALF, HEAD_DIM])), o))
+        tlx.named_barrier_wait(DELTA_READY, CONSUMER_THREADS)
         for i in range(0, tl.cdiv(n_blocks, 2)):
             j = 2 * i + cid
             if j < n_blocks:
@@ -526,7 +541,7 @@ def _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, 
                 tlx.barrier_wait(v_full[v_slot], ((kv_count + j) // V_BUFFERS) & 1)
                 dpt = tlx.async_dot_wait(0, tlx.async_dot(v_tiles[v_slot], tlx.local_trans(do_tile[0])))  # dPᵀ
                 # D of rows past the sequence may never have been written: 0 there (0 · NaN would poison dk).
-                delta = tl.where(row_ok, tlx.local_gather(delta_tile[0], stat_at, 0), 0.0)
+                delta = tl.where(row_ok, tlx.local_gather(delta_tile[0], offs_q, 0), 0.0)
                 dst = (pt * (dpt - delta[None, :])).to(DT)
                 pt = pt.to(DT)
                 tlx.barrier_wait(ds_free[cid], (written & 1) ^ 1)  # the other consumer read the last one
@@ -609,9 +624,9 @@ def _store_dq(dq, DQ, q_offsets, out_offsets, dest, head, row_ok, sdq_t, sdq_h, 
 
 @triton.jit(do_not_specialize=["n_heads", "window", "stat_h", "q_rows", "out_rows", "kv_rows"])
 def short_ws_kernel(
-    desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, DQ, DK, DV,
+    desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, Out, DQ, DK, DV,
     tiles, lists, list_starts, q_offsets, out_offsets, kv_offsets,
-    sq_h, sdo_h, sk_h, sv_h, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, q_rows, out_rows, kv_rows,
+    sq_h, sdo_h, so_t, so_h, sk_h, sv_h, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, q_rows, out_rows, kv_rows,
     scale_log2, sm_scale, window, n_heads,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_BUFFERS: tl.constexpr,
     V_BUFFERS: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
@@ -626,7 +641,7 @@ def short_ws_kernel(
     do_tile = tlx.local_alloc((BLOCK_M, HEAD_DIM), DT, 1)
     m_tile = tlx.local_alloc((2 * BLOCK_M,), tl.float32, 1)  # the rows at offset < STAT_ALIGN
     l_tile = tlx.local_alloc((2 * BLOCK_M,), tl.float32, 1)
-    delta_tile = tlx.local_alloc((2 * BLOCK_M,), tl.float32, 1)
+    delta_tile = tlx.local_alloc((BLOCK_M,), tl.float32, 1)
     k_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), DT, K_BUFFERS)
     v_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), DT, V_BUFFERS)
     ds_tiles = tlx.local_alloc((BLOCK_N, BLOCK_M), DT, 2)  # consumer c's dSᵀ of the current pair in slot c
@@ -639,14 +654,14 @@ def short_ws_kernel(
     ds_free = tlx.alloc_barriers(num_barriers=2, arrive_count=1)
     with tlx.async_tasks():
         with tlx.async_task("default"):
-            _load_short(desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, desc_delta, q_tile, do_tile, k_tiles,
-                        v_tiles, m_tile, l_tile, delta_tile, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+            _load_short(desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, q_tile, do_tile, k_tiles,
+                        v_tiles, m_tile, l_tile, q_full, q_empty, k_full, k_empty, v_full, v_empty,
                         tiles, lists, list_starts, q_offsets, out_offsets, kv_offsets, sq_h, sdo_h, sk_h, sv_h, stat_h,
                         q_rows, out_rows, kv_rows, window, n_heads, HEAD_DIM, BLOCK_M, BLOCK_N, K_BUFFERS, V_BUFFERS,
                         HAS_WINDOW, CAUSAL)
         with tlx.async_task(num_warps=4, registers=CONSUMER_REGISTERS, replicate=2):
             _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, q_full, q_empty, k_full,
-                         k_empty, v_full, v_empty, ds_tiles, ds_free, DQ, DK, DV, tiles, lists, list_starts,
-                         q_offsets, out_offsets, kv_offsets, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h,
-                         scale_log2, sm_scale, window, n_heads, tlx.async_task_replica_id(), HEAD_DIM, BLOCK_M,
-                         BLOCK_N, K_BUFFERS, V_BUFFERS, NEG_SCALE, HAS_WINDOW, CAUSAL, DQ_PARTIAL)
+                         k_empty, v_full, v_empty, ds_tiles, ds_free, Out, so_t, so_h, DQ, DK, DV, tiles, lists,
+                         list_starts, q_offsets, out_offsets, kv_offsets, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h,
+                         stat_h, scale_log2, sm_scale, window, n_heads, tlx.async_task_replica_id(), HEAD_DIM,
+                         BLOCK_M, BLOCK_N, K_BUFFERS, V_BUFFERS, NEG_SCALE, HAS_WINDOW, CAUSAL, DQ_PARTIAL)

@@ -94,9 +94,9 @@ def short_kernel(dtype: str, d: int, causal: bool, window: bool, neg: bool, dq_p
                       V_BUFFERS=SHORT_V_BUFFERS, NEG_SCALE=neg, HAS_WINDOW=window, CAUSAL=causal, DQ_PARTIAL=dq_partial)
     descriptors = {"desc_q": f"{dtype}[{SHORT_BLOCK_M},{d}]", "desc_do": f"{dtype}[{SHORT_BLOCK_M},{d}]",
                    "desc_k": f"{dtype}[{SHORT_BLOCK_N},{d}]", "desc_v": f"{dtype}[{SHORT_BLOCK_N},{d}]",
-                   **{name: f"fp32[{2 * SHORT_BLOCK_M}]" for name in ("desc_m", "desc_l", "desc_delta")}}
-    pointers = {"DQ": "fp32" if dq_partial else dtype, "DK": dtype, "DV": dtype, "lists": "i32", "list_starts": "i32",
-                **_INDEX_POINTERS}
+                   **{name: f"fp32[{2 * SHORT_BLOCK_M}]" for name in ("desc_m", "desc_l")}}
+    pointers = {"Out": dtype, "DQ": "fp32" if dq_partial else dtype, "DK": dtype, "DV": dtype, "lists": "i32",
+                "list_starts": "i32", **_INDEX_POINTERS}
     types = (descriptors, pointers, ("scale_log2", "sm_scale"),
              ("sq_h", "sdo_h", "sk_h", "sv_h", "sdq_t", "sdq_h", "sdk_t", "sdk_h", "sdv_t", "sdv_h"))
     label = f"k_buf={SHORT_K_BUFFERS} v_buf={SHORT_V_BUFFERS}" + (" partial" if dq_partial else "")

@@ -401,12 +401,12 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
     their fp32 rows there too, and `_dq_reduce_kernel` rounds (and for broadcast_q adds) them into dq. Without
     ordinary sequences (no dK/dV tiles) it does not apply: the packed kernels' usual dq is cheaper.
 
-    `short_pass` likewise replaces `_bwd_short_kernel`: short_pass(q, k, v, dout, dq, dk, dv, row_max, row_sum,
-    delta, schedule, problem, partial) over the short-query tile table of `schedule` (the host `ts.Schedule`),
-    `dq` the fp32 partial target when `partial`, else dq itself; it reads D, which `_delta_kernel` computes
-    first. It returns None, or with broadcast_q the partials `_dq_reduce_kernel` is to sum in place of one per
-    sequence: device int32 [Hq, n], per head the sequences whose partial rows hold that head's terms, in the
-    order of the sum (-1: none), every pass's included."""
+    `short_pass` likewise replaces `_bwd_short_kernel`: short_pass(q, k, v, out, dout, dq, dk, dv, row_max,
+    row_sum, schedule, problem, partial) over the short-query tile table of `schedule` (the host `ts.Schedule`),
+    `dq` the fp32 partial target when `partial`, else dq itself; like that kernel it computes its rows' D. It
+    returns None, or with broadcast_q the partials `_dq_reduce_kernel` is to sum in place of one per sequence:
+    device int32 [Hq, n], per head the sequences whose partial rows hold that head's terms, in the order of the
+    sum (-1: none), every pass's included."""
     row_max, row_sum = residuals
     device = q.device
     dq = torch.empty(q.shape, dtype=q.dtype, device=device)
@@ -438,9 +438,10 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
     if triton_dkv and dq_in_dkv:
         raise ValueError("dq_in_dkv needs a dkv_pass: the Triton dK/dV kernel adds no dq")
     short_pass = short_pass if sched.host.short_bwd.n_tiles else None
-    # D as an array of its own ([Hq, rows]) only for what reads or writes it there: the given passes, and the
-    # Triton dQ kernel when no Triton dK/dV pass takes its records (11 MiB on jfa.bench's gem row otherwise unused).
-    needs_delta = not triton_dkv or short_pass is not None or (dq_pass is not None and not partial)
+    # D as an array of its own ([Hq, rows]) only for what reads or writes it there: the given dK/dV and dQ passes,
+    # and the Triton dQ kernel when no Triton dK/dV pass takes its records (11 MiB on jfa.bench's gem row otherwise
+    # unused).
+    needs_delta = not triton_dkv or (dq_pass is not None and not partial)
     delta = torch.empty(hq, rows, dtype=torch.float32, device=device) if needs_delta else None
     row_stats = torch.empty(hq, rows, ROW_RECORD.value, dtype=torch.float32, device=device) if triton_dkv else delta
     packed = sched.host.packed_bwd
@@ -454,11 +455,11 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
                 sdv_t=dv.stride(0), sdv_h=dv.stride(1), n_heads=hq, BLOCK=packed.block,
                 SLOTS=packed.block // ts.PACK_ALIGN, DQ_PARTIAL=partial, **stats, **args)
     table = sched.host.short_bwd
-    if dq_in_dkv or short_pass is not None:  # passes that read D and compute none
+    if dq_in_dkv:  # passes that read D and compute none
         _delta(out, dout, delta, problem)
     sources = None  # the partials of broadcast_q's dq when not one per sequence
     if short_pass is not None:
-        sources = short_pass(q, k, v, dout, dq_target, dk, dv, row_max, row_sum, delta, sched.host, problem, partial)
+        sources = short_pass(q, k, v, out, dout, dq_target, dk, dv, row_max, row_sum, sched.host, problem, partial)
     elif table.n_tiles:
         n = table.n_tiles
         _launch(bwd_kernels._bwd_short_kernel, config.short_bwd, _programs(n, config.short_bwd, schedule, device),
