@@ -1,9 +1,11 @@
-"""What produced a result: device, driver, CUDA, torch, triton (or fbtriton), jfa commit and source digest."""
+"""What produced a result: device, driver, CUDA, torch, triton (or fbtriton), jfa commit and source digest, and
+the CPU arithmetic settings (instruction set, MKL_CBWR)."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -59,6 +61,9 @@ def collect(device_type: str) -> dict:
         "jfa_commit": _git("rev-parse", "HEAD"),
         "jfa_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "jfa_source": source_digest(),
+        # What picks the CPU's arithmetic paths (the reference and the bf16 model on a CPU): see verify/__init__.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mkl_cbwr": os.environ.get("MKL_CBWR"),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

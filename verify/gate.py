@@ -31,7 +31,8 @@ BASELINES = Path(__file__).resolve().parent / "baselines"
 FORMAT = "jfa-baseline/1"
 
 # Regression rule per statistic: after > FACTOR * before + SLACK. Statistics are bitwise reproducible on one
-# device for deterministic kernels, so this only has to absorb legitimate kernel changes. Calibration: the
+# device class for deterministic kernels (on a CPU once MKL's arithmetic is pinned: verify/__init__), so this only
+# has to absorb legitimate kernel changes. Calibration: the
 # tests.planted emulator (a correct tiled flash kernel) over the ci profile (143 cases, 715 forward and backward
 # records) at BLOCK_N 16, 32 and 64 (its configs 0, 1, 3), each pair compared in both directions:
 #   python -m verify gate --profile ci --backend emulator --plugin tests.planted --baseline b16.json --update
@@ -262,7 +263,8 @@ def updated_entries(entries: dict, records: list[dict], comparison: Comparison, 
 
 # Output ----------------------------------------------------------------------------------------------------
 ENVIRONMENT_KEYS = ("device_class", "gpu", "capability", "driver", "cuda", "torch", "triton", "fbtriton",
-                    "python", "jfa_commit", "jfa_dirty", "jfa_source", "profile", "backends")
+                    "python", "cpu_capability", "mkl_cbwr", "jfa_commit", "jfa_dirty", "jfa_source", "profile",
+                    "backends")
 
 
 def environment_table(run: dict, recorded: dict) -> str:
