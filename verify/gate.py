@@ -31,10 +31,10 @@ BASELINES = Path(__file__).resolve().parent / "baselines"
 FORMAT = "jfa-baseline/1"
 
 # Regression rule per statistic: after > FACTOR * before + SLACK. Statistics are bitwise reproducible on one
-# device class for deterministic kernels (on a CPU once MKL's arithmetic is pinned: verify/__init__), so this only
-# has to absorb legitimate kernel changes. Calibration: the
-# tests.planted emulator (a correct tiled flash kernel) over the ci profile (143 cases, 715 forward and backward
-# records) at BLOCK_N 16, 32 and 64 (its configs 0, 1, 3), each pair compared in both directions:
+# device class for deterministic kernels (on a CPU once MKL's arithmetic is pinned: verify/__init__), so this
+# only has to absorb legitimate kernel changes. Calibration: the tests.planted emulator (a correct tiled flash
+# kernel) over the ci profile (143 cases, 715 forward and backward records) at BLOCK_N 16, 32 and 64 (its
+# configs 0, 1, 3), each pair compared in both directions:
 #   python -m verify gate --profile ci --backend emulator --plugin tests.planted --baseline b16.json --update
 #   python -m verify bisect --profile ci --backend emulator --plugin tests.planted --test forward --test backward \
 #       --config 1 --results-out c32.jsonl                         (and --config 3, --results-out c64.jsonl)
