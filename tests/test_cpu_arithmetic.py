@@ -1,5 +1,6 @@
 """`import verify` pins MKL's CPU arithmetic (verify/__init__): the reference and the bf16 model then round
-alike on any x86 CPU with AVX2, so the CPU baseline holds bit for bit from one CI machine to the next."""
+alike on any x86 CPU with AVX2, so the CPU baseline holds bit for bit from one CI machine to the next. The
+fixtures' inputs need no pin: a case id gives the same bits whatever MKL's code path."""
 
 from __future__ import annotations
 
@@ -24,13 +25,35 @@ print(hashlib.sha256((a @ b).numpy().tobytes() + c.numpy().tobytes()).hexdigest(
 """
 
 
-def run_gemms(import_verify: bool, **env) -> tuple[str, str]:
-    """(digest, MKL_CBWR as the process ends) in a fresh process whose environment lacks this one's MKL_CBWR
-    (tests/conftest.py imported verify here) and has `env`."""
+# Every values family's q, k, v and dout of one case, as a digest, in a process that does not import verify.
+INPUTS = """
+import hashlib, sys
+from fixtures import make_inputs, spec_case
+from fixtures.values import VALUE_FAMILIES
+assert "verify" not in sys.modules
+digest = hashlib.sha256()
+for values in VALUE_FAMILIES:
+    for dtype in ("bfloat16", "float16"):
+        case = spec_case((200, 90), (200, 90), q_heads=2, kv_heads=1, head_dim=128, values=values, seed=5, dtype=dtype)
+        inputs = make_inputs(case)
+        for tensor in (inputs.q, inputs.k, inputs.v, inputs.dout):
+            digest.update(tensor.float().numpy().tobytes())
+print(digest.hexdigest(), "-")
+"""
+
+
+def run_script(script: str, arg: str = "", **env) -> tuple[str, str]:
+    """(digest, the second word it prints) of `script` in a fresh process whose environment lacks this one's
+    MKL_CBWR (tests/conftest.py imported verify here) and has `env`."""
     base = {name: value for name, value in os.environ.items() if name != "MKL_CBWR"}
-    out = subprocess.run([sys.executable, "-c", GEMMS, "verify" if import_verify else "plain"], env={**base, **env},
-                         capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run([sys.executable, "-c", script, arg], env={**base, **env}, capture_output=True, text=True,
+                         check=True).stdout.split()
     return out[0], out[1]
+
+
+def run_gemms(import_verify: bool, **env) -> tuple[str, str]:
+    """(digest, MKL_CBWR as the process ends)."""
+    return run_script(GEMMS, "verify" if import_verify else "plain", **env)
 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch without MKL: nothing to pin")
@@ -54,3 +77,11 @@ def test_environment_records_the_cpu_arithmetic():
     env = environment.collect("cpu")
     assert env["mkl_cbwr"] == os.environ["MKL_CBWR"]
     assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch without MKL: no other code path to try")
+def test_inputs_do_not_depend_on_mkls_code_path():
+    """A case id must name the same inputs on every machine, imported with verify or not. MKL's SSE2 path
+    (COMPATIBLE) and its AVX2 one round GEMMs and vector math differently on any x86 CPU, so this fails for a
+    values family computed through them (low_rank's einsum and torch's sqrt did)."""
+    assert run_script(INPUTS, MKL_CBWR="COMPATIBLE")[0] == run_script(INPUTS, MKL_CBWR="AVX2")[0]
