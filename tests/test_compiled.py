@@ -4,8 +4,11 @@ sm_90 on this CPU (a kernel edited in one of them is found; the unedited copy is
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,6 +92,40 @@ def test_variants_cover_every_kernel_once_per_configuration():
     assert all("D128/128 bf16 causal=1 window=1" in v.label for v in quick if v.kernel not in unmasked)
     assert {v.label.split(" D")[1] for v in compiled.variants(head_dims=[(96, 96)]) if " D" in v.label} == {
         "96/96 bf16 causal=0 window=0", "96/96 bf16 causal=1 window=1"}
+
+
+# Per variant of the packed forward (bf16, D 128, unmasked, the shipped 2 stages): its label, whether it is the
+# redo launch, and the PTX line numbers of its prefetches, of its first wgmma and of the label opening that
+# wgmma's basic block. Compiled in a process of its own: the unit tests' TRITON_INTERPRET compiles nothing.
+PACKED_PTX = """
+import json
+from jfa.triton import compiled
+for v in compiled.variants(head_dims=[(128, 128)]):
+    if v.kernel == "_fwd_packed_kernel" and "bf16 causal=0 window=0" in v.label and v.num_stages == 2:
+        lines = compiled.compile_variant(v).asm["ptx"].splitlines()
+        mma = next(i for i, line in enumerate(lines) if "wgmma.mma_async" in line)
+        block = max(i for i, line in enumerate(lines[:mma]) if line.startswith("$L__BB"))
+        print(json.dumps([v.label, v.constexprs["REDO"], [i for i, line in enumerate(lines) if "prefetch." in line],
+                          mma, block]))
+"""
+
+
+def test_packed_forward_asks_l2_for_the_next_heads_rows():
+    """The packed forward's head loop prefetches the next head's q, k and v (`prefetch_rows`): three predicated
+    PTX prefetches in the compiled sm_90 kernel, in the basic block of the loop's first wgmma, before it; none
+    in the redo launch. A Triton that dropped the side-effecting inline assembly, or an edit that moved it
+    out of the loop, fails here."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", PACKED_PTX], cwd=REPO, env=env, capture_output=True, text=True,
+                         check=True).stdout
+    variants = [json.loads(line) for line in out.splitlines()]
+    assert sorted(redo for _, redo, *_ in variants) == [False, True]
+    for label, redo, prefetches, mma, block in variants:
+        if redo:
+            assert prefetches == [], label
+        else:
+            assert len(prefetches) == 3 and block < prefetches[0] and prefetches[-1] < mma, (label, prefetches)
 
 
 def _tree(tmp_path: Path, name: str) -> Path:

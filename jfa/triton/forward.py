@@ -328,6 +328,21 @@ def packed_rows(ptr, rows, stride_t, head, stride_h, cols, row_ok, col_ok, COL_M
 
 
 @triton.jit
+def prefetch_rows(ptr, rows, stride_t, head, stride_h, row_ok, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+    """Asks L2 for head `head` of a packed tile's rows where row_ok holds: a PTX `prefetch` per 128-byte line,
+    which no register receives and nothing waits for. A hint that changes no value; the interpreter has no
+    PTX and skips it."""
+    if not INTERPRET:
+        LINE: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
+        lines = (row_base(ptr, rows, stride_t, head, stride_h)[:, None]
+                 + tl.arange(0, max(1, BLOCK_D // LINE))[None, :] * LINE)
+        wanted = tl.broadcast_to(row_ok[:, None], lines.shape).to(tl.int32)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            "=r,l,r", [lines, wanted], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def packed_visible(slot, loc, q_len, kv_len, row_ok, key_ok, window, HAS_WINDOW: tl.constexpr,
                    CAUSAL: tl.constexpr):
     """[BLOCK, BLOCK] block-diagonal visibility of a packed tile (rows × keys)."""
@@ -423,6 +438,15 @@ def _fwd_packed_tile(
     else:
         bad = tl.zeros([BLOCK], dtype=tl.int32)
     for head in range(n_heads):
+        if not ISOLATE:  # the redo launch's few tiles are not worth its registers
+            # The next head's inputs into L2 now, while this head computes (see the kernel's docstring); its
+            # k and v only where it starts another kv head.
+            ahead = head + 1 < n_heads
+            new_kv = ahead & ((head + 1) % group == 0)
+            prefetch_rows(Q, q_start + loc, sq_t, head + 1, sq_h, row_ok & ahead, BLOCK_D, INTERPRET)
+            prefetch_rows(K, kv_start + loc, sk_t, (head + 1) // group, sk_h, key_ok & new_kv, BLOCK_D, INTERPRET)
+            prefetch_rows(V, kv_start + loc, sv_t, (head + 1) // group, sv_h, key_ok & new_kv, BLOCK_DV,
+                          INTERPRET)
         head_bad = _fwd_packed_head(
             Q, K, V, Out, Lse, RowMax, RowSum, head, head // group, slot, loc, q_start, out_start, kv_start,
             row_ok, key_ok, seen, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h,
@@ -450,8 +474,12 @@ def _fwd_packed_kernel(
 ):
     """Persistent forward over packed tiles (a group of tiny sequences), every query head in turn.
 
-    The head loop is the kernel's inner loop, so num_stages pipelines it: the next head's q, k and v
-    loads overlap this head's arithmetic (the workload is memory-bound). P·V sums each row over the whole
+    The head loop is the kernel's inner loop. Triton's pipeliner issues the copies of the next head's q, k
+    and v only at the end of an iteration, after its stores, and the next iteration starts by waiting for
+    them: with any num_stages a head's loads would wait for DRAM with nothing to overlap them but the SM's
+    other program. So each iteration first asks L2 for the next head's rows (`prefetch_rows`), and those
+    copies find them there (the tiny row's forward 0.748 → 0.703 ms on the H200, docs/performance-log.md).
+    P·V sums each row over the whole
     tile, the other slots at weight 0, so a NaN or infinity in one sequence's v would reach its neighbours
     (0·NaN). A tile with any non-finite output is listed (`flag_tile`, in counter[1:]), and a second launch
     with REDO does the listed tiles again (dealt round-robin) with the products isolated per slot (`slot_mma`),
