@@ -160,11 +160,16 @@ SMALL_BLOCKS = BackendConfig(
     packed_bwd=KernelConfig(32, 32, 4, (1,)),
 )
 
-# How the packed forward's first launch finds the tiles to redo (`jfa.triton.forward._fwd_packed_head`), per
-# compiler: stock triton takes a row vector carried over the heads (the tiny bench row's forward kernels 0.751 ms,
-# against 0.792 with one value per head), fbtriton (Triton with TLX, the tlx backend's) one value per head (1.132 ms
-# against 2.209: the row vector took its ptxas spill from 444 to 948 bytes). H200, 2026-12-03, same bits.
-FLAG_PER_HEAD = importlib.util.find_spec("triton.language.extra.tlx") is not None
+# The packed forward's forms per compiler, all with the same bits; ptxas spills its registers under fbtriton (Triton
+# with TLX, the tlx backend's) where stock triton fits them. How the first launch finds the tiles to redo
+# (`jfa.triton.forward._fwd_packed_head`): stock triton takes a row vector carried over the heads (the tiny bench
+# row's forward kernels 0.751 ms, against 0.792 with one value per head), fbtriton one value per head (1.132 ms
+# against 2.209: the row vector took its spill from 444 to 948 bytes); H200, 2026-12-03. Whether each head asks
+# L2 for the next head's rows (`jfa.triton.forward.prefetch_rows`): stock triton does (0.748 -> 0.703 ms), fbtriton
+# not (its spill 236 -> 272 bytes, the tlx bench row's forward 1.14 -> 1.18 ms of device time); H200, 2026-12-04.
+FBTRITON = importlib.util.find_spec("triton.language.extra.tlx") is not None
+FLAG_PER_HEAD = FBTRITON
+PREFETCH_NEXT_HEAD = not FBTRITON
 
 # The known gap the `isolation_grad` invariant finds (tests/test_triton_backend.py pins it with a strict xfail).
 ISOLATION_GRAD_GAP = (
@@ -382,7 +387,8 @@ def forward(q, k, v, problem: Problem, fwd_pass=None):
         for redo in (False, True):
             _launch(fwd_kernels._fwd_packed_kernel, config.packed_fwd, grid, problem, pack_seqs=sched.pack_fwd_seqs,
                     pack_shift=sched.pack_fwd_shift, n_tiles=n, counter=counter, n_heads=hq, BLOCK=packed.block,
-                    SLOTS=packed.block // ts.PACK_ALIGN, REDO=redo, FLAG_PER_HEAD=FLAG_PER_HEAD, **args)
+                    SLOTS=packed.block // ts.PACK_ALIGN, REDO=redo, FLAG_PER_HEAD=FLAG_PER_HEAD,
+                    PREFETCH=PREFETCH_NEXT_HEAD, **args)
     return out, lse, (row_max, row_sum)
 
 

@@ -77,11 +77,13 @@ def role_variants(role: str, kcfg, d: int, dv: int, dtype: str = "bf16", causal:
         label = f"{label}_redo"
     tiles = (dict(BLOCK=kcfg.block_m, SLOTS=kcfg.block_m // 16) if role.startswith("packed")
              else dict(BLOCK_M=kcfg.block_m, BLOCK_N=kcfg.block_n))
-    # (getattr: the compared revision's backend may predate FLAG_PER_HEAD; its kernels then take no such constexpr.)
+    # (getattr: the compared revision's backend may predate FLAG_PER_HEAD or PREFETCH_NEXT_HEAD; its kernels then
+    # take no such constexpr.)
     constexprs = dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, NEG_SCALE=False,
                       HAS_WINDOW=window, CAUSAL=causal, SCHEDULE=1, REDO=redo,
-                      FLAG_PER_HEAD=getattr(backend, "FLAG_PER_HEAD", False), INTERPRET=False, ROW_STATS=True, **tiles,
-                      **extra)
+                      FLAG_PER_HEAD=getattr(backend, "FLAG_PER_HEAD", False),
+                      PREFETCH=getattr(backend, "PREFETCH_NEXT_HEAD", False), INTERPRET=False, ROW_STATS=True,
+                      **tiles, **extra)
     tag = f"D{d}/{dv} {dtype} causal={int(causal)} window={int(window)}"
     cap = "" if kcfg.max_registers is None else f" m{kcfg.max_registers}"
     return [Variant(f"{label} s{stages}{cap} {tag}", kernel, pointers, constexprs, kcfg.num_warps, stages,

@@ -425,7 +425,7 @@ def _fwd_packed_tile(
     n_heads, group, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr, SLOTS: tl.constexpr, NEG_SCALE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, ISOLATE: tl.constexpr, FLAG_PER_HEAD: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Every query head of packed tile t; returns whether any output row is not finite."""
     DT: tl.constexpr = Out.dtype.element_ty
@@ -438,9 +438,10 @@ def _fwd_packed_tile(
     else:
         bad = tl.zeros([BLOCK], dtype=tl.int32)
     for head in range(n_heads):
-        if not ISOLATE:  # the redo launch's few tiles are not worth its registers
+        if PREFETCH and not ISOLATE:  # the redo launch's few tiles are not worth the registers
             # The next head's inputs into L2 now, while this head computes (see the kernel's docstring); its
-            # k and v only where it starts another kv head.
+            # k and v only where it starts another kv head. `jfa.triton.backend.PREFETCH_NEXT_HEAD` says which
+            # compilers get it.
             ahead = head + 1 < n_heads
             new_kv = ahead & ((head + 1) % group == 0)
             prefetch_rows(Q, q_start + loc, sq_t, head + 1, sq_h, row_ok & ahead, BLOCK_D, INTERPRET)
@@ -470,15 +471,17 @@ def _fwd_packed_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK: tl.constexpr, SLOTS: tl.constexpr,
     NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
-    SCHEDULE: tl.constexpr, REDO: tl.constexpr, FLAG_PER_HEAD: tl.constexpr, INTERPRET: tl.constexpr,
+    SCHEDULE: tl.constexpr, REDO: tl.constexpr, FLAG_PER_HEAD: tl.constexpr, PREFETCH: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Persistent forward over packed tiles (a group of tiny sequences), every query head in turn.
 
     The head loop is the kernel's inner loop. Triton's pipeliner issues the copies of the next head's q, k
     and v only at the end of an iteration, after its stores, and the next iteration starts by waiting for
     them: with any num_stages a head's loads would wait for DRAM with nothing to overlap them but the SM's
-    other program. So each iteration first asks L2 for the next head's rows (`prefetch_rows`), and those
-    copies find them there (the tiny row's forward 0.748 → 0.703 ms on the H200, docs/performance-log.md).
+    other program. So each iteration first asks L2 for the next head's rows (`prefetch_rows`, with PREFETCH),
+    and those copies find them there (the tiny row's forward 0.748 → 0.703 ms on the H200 under stock triton,
+    docs/performance-log.md).
     P·V sums each row over the whole
     tile, the other slots at weight 0, so a NaN or infinity in one sequence's v would reach its neighbours
     (0·NaN). A tile with any non-finite output is listed (`flag_tile`, in counter[1:]), and a second launch
@@ -506,7 +509,7 @@ def _fwd_packed_kernel(
             Q, K, V, Out, Lse, RowMax, RowSum, pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets,
             sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, so_t, so_h, stat_h, scale_log2, scale_abs,
             window, n_heads, group, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK, SLOTS, NEG_SCALE,
-            HAS_WINDOW, CAUSAL, REDO, FLAG_PER_HEAD, INTERPRET)
+            HAS_WINDOW, CAUSAL, REDO, FLAG_PER_HEAD, PREFETCH, INTERPRET)
         if not REDO:  # noqa: SIM102 - a constexpr branch around a run-time one
             if bad > 0:
                 flag_tile(counter + 1, t)
