@@ -94,27 +94,31 @@ def test_variants_cover_every_kernel_once_per_configuration():
         "96/96 bf16 causal=0 window=0", "96/96 bf16 causal=1 window=1"}
 
 
-# Per variant of the packed forward (bf16, D 128, unmasked, the shipped 2 stages): its label, whether it is the
-# redo launch, and the PTX line numbers of its prefetches, of its first wgmma and of the label opening that
-# wgmma's basic block. Compiled in a process of its own: the unit tests' TRITON_INTERPRET compiles nothing.
+# Per variant of the packed kernels at the tiny row's head dim (bf16, D 128, unmasked; the forward's shipped 2
+# stages): its label, whether it is the forward's redo launch, and the PTX line numbers of its prefetches, of its
+# first matrix product (wgmma; the backward's 32-row blocks take mma.sync) and of the label opening its basic
+# block. Compiled in a process of its own: the unit tests'
+# TRITON_INTERPRET compiles nothing.
 PACKED_PTX = """
 import json
 from jfa.triton import compiled
 for v in compiled.variants(head_dims=[(128, 128)]):
-    if v.kernel == "_fwd_packed_kernel" and "bf16 causal=0 window=0" in v.label and v.num_stages == 2:
+    if (v.kernel == "_fwd_packed_kernel" and v.num_stages == 2 or v.kernel == "_bwd_packed_kernel"
+            and "partial=0" in v.label) and "bf16 causal=0 window=0" in v.label:
         lines = compiled.compile_variant(v).asm["ptx"].splitlines()
-        mma = next(i for i, line in enumerate(lines) if "wgmma.mma_async" in line)
+        mma = next(i for i, line in enumerate(lines) if "wgmma.mma_async" in line or "mma.sync" in line)
         block = max(i for i, line in enumerate(lines[:mma]) if line.startswith("$L__BB"))
-        print(json.dumps([v.label, v.constexprs["REDO"], [i for i, line in enumerate(lines) if "prefetch." in line],
-                          mma, block]))
+        print(json.dumps([v.label, v.constexprs.get("REDO", False),
+                          [i for i, line in enumerate(lines) if "prefetch." in line], mma, block]))
 """
 
 
-def test_packed_forward_asks_l2_for_the_next_heads_rows():
-    """Under stock triton the packed forward's head loop prefetches the next head's q, k and v (`prefetch_rows`):
-    three predicated PTX prefetches in the compiled sm_90 kernel, in the basic block of the loop's first wgmma,
-    before it; none in the redo launch, and none at all under fbtriton (`PREFETCH_NEXT_HEAD`). A Triton that
-    dropped the side-effecting inline assembly, or an edit that moved it out of the loop, fails here."""
+def test_packed_kernels_ask_l2_for_the_next_heads_rows():
+    """Under stock triton the packed kernels' head loops prefetch the next head's rows (`prefetch_rows`): q, k
+    and v in the forward, q, dO and O in the backward, three predicated PTX prefetches each in the compiled
+    sm_90 kernel, in the basic block of the loop's first matrix product, before it; none in the forward's redo launch,
+    and none at all under fbtriton (`PREFETCH_NEXT_HEAD`). A Triton that dropped the side-effecting inline
+    assembly, or an edit that moved it out of the loop, fails here."""
     pytest.importorskip("triton.backends.nvidia")
     from jfa.triton.backend import PREFETCH_NEXT_HEAD
 
@@ -122,7 +126,8 @@ def test_packed_forward_asks_l2_for_the_next_heads_rows():
     out = subprocess.run([sys.executable, "-c", PACKED_PTX], cwd=REPO, env=env, capture_output=True, text=True,
                          check=True).stdout
     variants = [json.loads(line) for line in out.splitlines()]
-    assert sorted(redo for _, redo, *_ in variants) == [False, True]
+    assert sorted((label.split()[0], redo) for label, redo, *_ in variants) == [
+        ("bwd_packed", False), ("fwd_packed", False), ("fwd_packed_redo", True)]
     for label, redo, prefetches, mma, block in variants:
         if redo or not PREFETCH_NEXT_HEAD:
             assert prefetches == [], label

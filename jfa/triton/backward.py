@@ -65,6 +65,7 @@ from jfa.triton.forward import (
     packed_layout,
     packed_rows,
     packed_visible,
+    prefetch_rows,
     query_tile,
     rounded,
     row_base,
@@ -439,10 +440,14 @@ def _bwd_packed_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK: tl.constexpr, SLOTS: tl.constexpr,
     NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, DQ_PARTIAL: tl.constexpr,
-    SCHEDULE: tl.constexpr, INTERPRET: tl.constexpr,
+    SCHEDULE: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """dq, dk, dv of packed tiles (a group of tiny sequences), every query head in turn (a pipelined
-    loop); dk and dv add up over the consecutive query heads of a group and are written after its last."""
+    loop); dk and dv add up over the consecutive query heads of a group and are written after its last.
+    With PREFETCH each head first asks L2 for the next head's q, dO and O rows, as the packed forward does
+    (`jfa.triton.forward._fwd_packed_kernel` says why): the tiny row's backward kernel 2.215 → 2.151 ms on the
+    H200 under stock triton, where the same for k and v (the next kv head's) gained nothing and all five
+    together lost (docs/performance-log.md)."""
     DT: tl.constexpr = Q.dtype.element_ty
     MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
     MASK_DV: tl.constexpr = HEAD_DIM_V != BLOCK_DV
@@ -461,6 +466,11 @@ def _bwd_packed_kernel(
         dv = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
         for head in range(n_heads):
             kv_head = head // group
+            if PREFETCH:
+                ahead = row_ok & (head + 1 < n_heads)
+                prefetch_rows(Q, q_start + loc, sq_t, head + 1, sq_h, ahead, BLOCK_D, INTERPRET)
+                prefetch_rows(DOut, out_start + loc, sdo_t, head + 1, sdo_h, ahead, BLOCK_DV, INTERPRET)
+                prefetch_rows(Out, out_start + loc, so_t, head + 1, so_h, ahead, BLOCK_DV, INTERPRET)
             k = packed_rows(K, kv_start + loc, sk_t, kv_head, sk_h, offs_d * sk_d, key_ok, d_ok, MASK_D)
             v = packed_rows(V, kv_start + loc, sv_t, kv_head, sv_h, offs_dv * sv_d, key_ok, dv_ok, MASK_DV)
             q = packed_rows(Q, q_start + loc, sq_t, head, sq_h, offs_d * sq_d, row_ok, d_ok, MASK_D)
