@@ -468,9 +468,10 @@ def _bwd_packed_kernel(
             kv_head = head // group
             if PREFETCH:
                 ahead = row_ok & (head + 1 < n_heads)
-                prefetch_rows(Q, q_start + loc, sq_t, head + 1, sq_h, ahead, BLOCK_D, INTERPRET)
-                prefetch_rows(DOut, out_start + loc, sdo_t, head + 1, sdo_h, ahead, BLOCK_DV, INTERPRET)
-                prefetch_rows(Out, out_start + loc, so_t, head + 1, so_h, ahead, BLOCK_DV, INTERPRET)
+                prefetch_rows(Q, q_start + loc, sq_t, head + 1, sq_h, sq_d, ahead, HEAD_DIM, BLOCK_D, INTERPRET)
+                prefetch_rows(DOut, out_start + loc, sdo_t, head + 1, sdo_h, sdo_d, ahead, HEAD_DIM_V, BLOCK_DV,
+                              INTERPRET)
+                prefetch_rows(Out, out_start + loc, so_t, head + 1, so_h, 1, ahead, HEAD_DIM_V, BLOCK_DV, INTERPRET)
             k = packed_rows(K, kv_start + loc, sk_t, kv_head, sk_h, offs_d * sk_d, key_ok, d_ok, MASK_D)
             v = packed_rows(V, kv_start + loc, sv_t, kv_head, sv_h, offs_dv * sv_d, key_ok, dv_ok, MASK_DV)
             q = packed_rows(Q, q_start + loc, sq_t, head, sq_h, offs_d * sq_d, row_ok, d_ok, MASK_D)

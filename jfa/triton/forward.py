@@ -328,15 +328,16 @@ def packed_rows(ptr, rows, stride_t, head, stride_h, cols, row_ok, col_ok, COL_M
 
 
 @triton.jit
-def prefetch_rows(ptr, rows, stride_t, head, stride_h, row_ok, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
-    """Asks L2 for head `head` of a packed tile's rows where row_ok holds: a PTX `prefetch` per 128-byte line,
-    which no register receives and nothing waits for. A hint that changes no value; the interpreter has no
-    PTX and skips it."""
+def prefetch_rows(ptr, rows, stride_t, head, stride_h, stride_d, row_ok, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """Asks L2 for head `head` of a packed tile's rows (DIM elements each, stride_d apart) where row_ok holds: a
+    PTX `prefetch` per 128 bytes of a row, at an element of it (never past it), which no register receives and
+    nothing waits for. A hint that changes no value; the interpreter has no PTX and skips it."""
     if not INTERPRET:
         LINE: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
-        lines = (row_base(ptr, rows, stride_t, head, stride_h)[:, None]
-                 + tl.arange(0, max(1, BLOCK_D // LINE))[None, :] * LINE)
-        wanted = tl.broadcast_to(row_ok[:, None], lines.shape).to(tl.int32)
+        cols = tl.arange(0, max(1, BLOCK_D // LINE)) * LINE
+        lines = row_base(ptr, rows, stride_t, head, stride_h)[:, None] + (cols * stride_d)[None, :]
+        wanted = (row_ok[:, None] & (cols < DIM)[None, :]).to(tl.int32)
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
             "=r,l,r", [lines, wanted], dtype=tl.int32, is_pure=False, pack=1)
@@ -444,10 +445,12 @@ def _fwd_packed_tile(
             # compilers get it.
             ahead = head + 1 < n_heads
             new_kv = ahead & ((head + 1) % group == 0)
-            prefetch_rows(Q, q_start + loc, sq_t, head + 1, sq_h, row_ok & ahead, BLOCK_D, INTERPRET)
-            prefetch_rows(K, kv_start + loc, sk_t, (head + 1) // group, sk_h, key_ok & new_kv, BLOCK_D, INTERPRET)
-            prefetch_rows(V, kv_start + loc, sv_t, (head + 1) // group, sv_h, key_ok & new_kv, BLOCK_DV,
+            prefetch_rows(Q, q_start + loc, sq_t, head + 1, sq_h, sq_d, row_ok & ahead, HEAD_DIM, BLOCK_D,
                           INTERPRET)
+            prefetch_rows(K, kv_start + loc, sk_t, (head + 1) // group, sk_h, sk_d, key_ok & new_kv, HEAD_DIM,
+                          BLOCK_D, INTERPRET)
+            prefetch_rows(V, kv_start + loc, sv_t, (head + 1) // group, sv_h, sv_d, key_ok & new_kv, HEAD_DIM_V,
+                          BLOCK_DV, INTERPRET)
         head_bad = _fwd_packed_head(
             Q, K, V, Out, Lse, RowMax, RowSum, head, head // group, slot, loc, q_start, out_start, kv_start,
             row_ok, key_ok, seen, offs_d, offs_dv, d_ok, dv_ok, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h,
