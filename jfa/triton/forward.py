@@ -485,13 +485,14 @@ def _fwd_packed_kernel(
     other program. So each iteration first asks L2 for the next head's rows (`prefetch_rows`, with PREFETCH),
     and those copies find them there (the tiny row's forward 0.748 → 0.703 ms on the H200 under stock triton,
     docs/performance-log.md).
-    P·V sums each row over the whole
-    tile, the other slots at weight 0, so a NaN or infinity in one sequence's v would reach its neighbours
-    (0·NaN). A tile with any non-finite output is listed (`flag_tile`, in counter[1:]), and a second launch
-    with REDO does the listed tiles again (dealt round-robin) with the products isolated per slot (`slot_mma`),
-    which leaves the finite rows' bits as they were. The redo is a launch of its own so that its registers
-    (a product per slot) stay out of the main loop: inlined there they spilled into it, and a non-inlined
-    function made ptxas serialise every wgmma of the caller.
+
+    P·V sums each row over the whole tile, the other slots at weight 0, so a NaN or infinity in one
+    sequence's v would reach its neighbours (0·NaN). A tile with any non-finite output is listed
+    (`flag_tile`, in counter[1:]), and a second launch with REDO does the listed tiles again (dealt
+    round-robin) with the products isolated per slot (`slot_mma`), which leaves the finite rows' bits as they
+    were. The redo is a launch of its own so that its registers (a product per slot) stay out of the main
+    loop: inlined there they spilled into it, and a non-inlined function made ptxas serialise every wgmma of
+    the caller.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
