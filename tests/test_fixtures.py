@@ -482,3 +482,20 @@ def test_command_line(tmp_path):
 
 def test_command_line_reports_bad_ids(capsys):
     assert main(["show", "uniform:x"]) == 2 and "unknown case id" in capsys.readouterr().err
+
+
+def test_profile_where_selects_the_cases_of_a_field_value(capsys):
+    """`profile NAME --where FIELD=VALUE`: the cases a change to one values family (or dtype, head dim, ...)
+    touches, as printed ids or as the verify suite's --jfa-case arguments; a field it does not know is an error
+    naming the fields it does."""
+    premerge = profile_case_ids("premerge")
+    low_rank = [case_id for case_id in premerge if case_from_id(case_id).values == "low_rank"]
+    assert 0 < len(low_rank) < len(premerge)
+    assert main(["profile", "premerge", "--where", "values=low_rank"]) == 0
+    assert capsys.readouterr().out.splitlines() == [*low_rank, f"# {len(low_rank)} cases"]
+    both = [case_id for case_id in low_rank if case_from_id(case_id).head_dim == 256]
+    assert 0 < len(both) < len(low_rank)
+    assert main(["profile", "premerge", "--where", "values=low_rank", "--where", "head_dim=256", "--pytest-args"]) == 0
+    assert capsys.readouterr().out.split() == [word for case_id in both for word in ("--jfa-case", case_id)]
+    assert main(["profile", "ci", "--where", "value=low_rank"]) == 2
+    assert "FIELD one of family, seed" in capsys.readouterr().err
