@@ -97,8 +97,7 @@ def test_variants_cover_every_kernel_once_per_configuration():
 # Per variant of the packed kernels at the tiny row's head dim (bf16, D 128, unmasked; the forward's shipped 2
 # stages): its label, whether it is the forward's redo launch, and the PTX line numbers of its prefetches, of its
 # first matrix product (wgmma; the backward's 32-row blocks take mma.sync) and of the label opening its basic
-# block. Compiled in a process of its own: the unit tests'
-# TRITON_INTERPRET compiles nothing.
+# block. Compiled in a process of its own: the unit tests' TRITON_INTERPRET compiles nothing.
 PACKED_PTX = """
 import json
 from jfa.triton import compiled
@@ -116,9 +115,9 @@ for v in compiled.variants(head_dims=[(128, 128)]):
 def test_packed_kernels_ask_l2_for_the_next_heads_rows():
     """Under stock triton the packed kernels' head loops prefetch the next head's rows (`prefetch_rows`): q, k
     and v in the forward, q, dO and O in the backward, three predicated PTX prefetches each in the compiled
-    sm_90 kernel, in the basic block of the loop's first matrix product, before it; none in the forward's redo launch,
-    and none at all under fbtriton (`PREFETCH_NEXT_HEAD`). A Triton that dropped the side-effecting inline
-    assembly, or an edit that moved it out of the loop, fails here."""
+    sm_90 kernel, in the basic block of the loop's first matrix product, before it; none in the forward's redo
+    launch, and none at all under fbtriton (`PREFETCH_NEXT_HEAD`). A Triton that dropped the side-effecting
+    inline assembly, or an edit that moved it out of the loop, fails here."""
     pytest.importorskip("triton.backends.nvidia")
     from jfa.triton.backend import PREFETCH_NEXT_HEAD
 

@@ -38,22 +38,22 @@ for values in VALUE_FAMILIES:
         inputs = make_inputs(case)
         for tensor in (inputs.q, inputs.k, inputs.v, inputs.dout):
             digest.update(tensor.float().numpy().tobytes())
-print(digest.hexdigest(), "-")
+print(digest.hexdigest())
 """
 
 
-def run_script(script: str, arg: str = "", **env) -> tuple[str, str]:
-    """(digest, the second word it prints) of `script` in a fresh process whose environment lacks this one's
-    MKL_CBWR (tests/conftest.py imported verify here) and has `env`."""
+def run_script(script: str, arg: str = "", **env) -> list[str]:
+    """The words `script` prints, run in a fresh process whose environment lacks this one's MKL_CBWR
+    (tests/conftest.py imported verify here) and has `env`."""
     base = {name: value for name, value in os.environ.items() if name != "MKL_CBWR"}
-    out = subprocess.run([sys.executable, "-c", script, arg], env={**base, **env}, capture_output=True, text=True,
-                         check=True).stdout.split()
-    return out[0], out[1]
+    return subprocess.run([sys.executable, "-c", script, arg], env={**base, **env}, capture_output=True, text=True,
+                          check=True).stdout.split()
 
 
 def run_gemms(import_verify: bool, **env) -> tuple[str, str]:
     """(digest, MKL_CBWR as the process ends)."""
-    return run_script(GEMMS, "verify" if import_verify else "plain", **env)
+    digest, setting = run_script(GEMMS, "verify" if import_verify else "plain", **env)
+    return digest, setting
 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch without MKL: nothing to pin")
@@ -84,4 +84,5 @@ def test_inputs_do_not_depend_on_mkls_code_path():
     """A case id must name the same inputs on every machine, imported with verify or not. MKL's SSE2 path
     (COMPATIBLE) and its AVX2 one round GEMMs and vector math differently on any x86 CPU, so this fails for a
     values family computed through them (low_rank's einsum and torch's sqrt did)."""
-    assert run_script(INPUTS, MKL_CBWR="COMPATIBLE")[0] == run_script(INPUTS, MKL_CBWR="AVX2")[0]
+    (compatible,) = run_script(INPUTS, MKL_CBWR="COMPATIBLE")  # one digest
+    assert run_script(INPUTS, MKL_CBWR="AVX2") == [compatible]
