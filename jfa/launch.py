@@ -29,6 +29,15 @@ A prepared launch holds device addresses, not tensors, and one whose descriptors
 through the op, tlx, 2026-12-03 14:31-14:33 UTC, two runs of two rounds each) the host time fell from 2.50-2.64
 to 2.35-2.49 ms a call.
 
+Deferred arguments. Making a TMA descriptor (Triton's `TensorDescriptor`, validated in Python) and fingerprinting
+it field by field cost ~7 µs each on this repository's CI CPU, ~40 µs of the TLX short-query launch, which the GPU
+waits for (the first launch of the tlx backward). A `Deferred` argument names the tensors and parameters a value is
+made from; its fingerprint is theirs (address, dtype, shape, strides; ~1.5 µs), and it is made only where the
+launch is not prepared already. On `nvidia-h200` (`AB_ROWS=broadcast:tlx bash scripts/gpu_session.sh
+ab:scratch/base45`, four rounds in three device calls, 2026-12-04 about 19:46-19:52 UTC, with the forward's
+descriptors deferred too, which they no longer are: `jfa.tlx.backend._descriptor` says why) the tlx broadcast
+forward+backward through the op took 2.16 ms a call against 2.31 (the same kernels, dk and dv the same bits).
+
 Triton versions without `triton.knobs` (where the launch hooks it must respect live; 3.6, fbtriton 3.7.4 and
 3.9 have it and launch their JIT functions this way), kernels that are not plain JIT functions (the
 interpreter's, an autotuner) and runs with launch hooks installed (a profiler that wants to see each launch)
@@ -150,6 +159,33 @@ LAUNCH_CACHE_SIZE = 64
 _SCALAR_TYPES = frozenset({int, bool, str, type(None)})
 
 
+class Deferred:
+    """A launch argument made from tensors only where the launch is not prepared already: `make(*tensors,
+    *params)`, which must depend on nothing but the tensors' addresses, dtypes, shapes and strides and on the
+    params (a TMA descriptor of a tensor read in place). Those are its fingerprint, so a launch whose arguments
+    come back the same skips making it (a descriptor's construction and its fingerprint field by field cost the
+    TLX short-query launch ~40 µs of this repository's CI CPU)."""
+
+    __slots__ = ("make", "tensors", "params")
+
+    def __init__(self, make: Callable, tensors: tuple, params: tuple = ()):
+        self.make, self.tensors, self.params = make, tensors, params
+
+    def key(self) -> tuple:
+        return (Deferred, self.make, tuple([(x.data_ptr(), x.dtype, x.shape, x.stride()) for x in self.tensors]),
+                self.params)
+
+    def value(self):
+        return self.make(*self.tensors, *self.params)
+
+
+def _made(args):
+    """`args` (a list, or a dict of keyword arguments) with each Deferred argument made."""
+    if isinstance(args, dict):
+        return {name: value.value() if type(value) is Deferred else value for name, value in args.items()}
+    return [value.value() if type(value) is Deferred else value for value in args]
+
+
 @functools.cache
 def _field_names(kind: type) -> tuple[str, ...] | None:
     """The field names of a dataclass type (a TensorDescriptor), None for any other type: read once per type, as
@@ -162,14 +198,17 @@ def _field_names(kind: type) -> tuple[str, ...] | None:
 
 def _argument_key(value):
     """What a launch argument contributes to the launch: a tensor its device address and dtype (the kernel gets
-    the address; its alignment and the dtype pick the specialisation), a dataclass (a TensorDescriptor) its fields,
-    a list or tuple its items, any other value its type and value (a float's sign too, since -0.0 == 0.0). The
-    commonest types are tested first: a launch fingerprints some 40 arguments each call."""
+    the address; its alignment and the dtype pick the specialisation), a `Deferred` what it is made from, a
+    dataclass (a TensorDescriptor) its fields, a list or tuple its items, any other value its type and value (a
+    float's sign too, since -0.0 == 0.0). The commonest types are tested first: a launch fingerprints some 40
+    arguments each call."""
     kind = type(value)
     if kind in _SCALAR_TYPES:
         return kind, value
     if isinstance(value, torch.Tensor):
         return torch.Tensor, value.data_ptr(), value.dtype
+    if kind is Deferred:
+        return value.key()
     names = _field_names(kind)
     if names is not None:
         return kind, tuple(_argument_key(getattr(value, name)) for name in names)
@@ -215,9 +254,10 @@ def _encode(kernel, grid, stream, args, kwargs):
 def prepare(kernel, grid: tuple[int, ...], *args, **kwargs) -> Callable[[], None]:
     """A callable that launches `kernel[grid](*args, **kwargs)` on the stream current now, with the runtime's
     binding, specialisation and cache lookup (and a first call's compilation) done here, ahead of it, or taken
-    from an earlier launch whose arguments fingerprint the same (`_launch_key`)."""
+    from an earlier launch whose arguments fingerprint the same (`_launch_key`). A `Deferred` argument is made
+    only where the launch is not taken from an earlier one."""
     def usual() -> None:
-        kernel[grid](*args, **kwargs)
+        kernel[grid](*_made(args), **_made(kwargs))
 
     hooks = _launch_hooks()
     if not isinstance(kernel, JITFunction) or hooks is None or any(map(_installed, hooks)):
@@ -226,7 +266,7 @@ def prepare(kernel, grid: tuple[int, ...], *args, **kwargs) -> Callable[[], None
     key = _launch_key(kernel, grid, stream, args, kwargs)
     prepared = _cached_launch(key)
     if prepared is None:
-        prepared = _encode(kernel, grid, stream, args, kwargs)
+        prepared = _encode(kernel, grid, stream, _made(args), _made(kwargs))
         if prepared is None:  # a jit_cache_hook took the compilation over: let the runtime launch as it would
             return usual
         # A descriptor the launcher encodes itself stays an object holding its tensor: such a launch is not

@@ -285,6 +285,72 @@ def test_a_descriptor_is_fingerprinted_by_its_fields():
     assert a.data_ptr() in held(keys[0]) and not any(isinstance(x, torch.Tensor) for x in held(keys[0]))
 
 
+def _made_from(made):
+    """A `Deferred` maker that records what it is made from and gives a value the launcher can take."""
+    def make(x, box):
+        made.append((x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, box))
+        return x.data_ptr() + box
+
+    return make
+
+
+def test_a_deferred_argument_is_made_only_for_a_launch_not_prepared_before(jit_kernel):
+    """A Deferred argument (a TMA descriptor made from a tensor) is made where the launch is new, and the launcher
+    gets what it makes; the same tensor again takes the prepared launch without making it."""
+    import torch
+
+    kernel, compiled, warmups = jit_kernel
+    made = []
+    make = _made_from(made)
+    x = torch.zeros(8, 4)
+    for _ in range(2):
+        launch.prepare(kernel, (1,), launch.Deferred(make, (x,), (16,)), n=2, scale=1.0, BLOCK=16)()
+    assert made == [(x.data_ptr(), (8, 4), (4, 1), torch.float32, 16)] and len(warmups) == 1
+    assert [args[9] for args in compiled.launches] == 2 * [x.data_ptr() + 16]
+
+
+@pytest.mark.parametrize("change", ["address", "shape", "strides", "dtype", "params"])
+def test_a_deferred_argument_is_fingerprinted_by_what_it_is_made_from(jit_kernel, change):
+    """What a Deferred argument is made of changing (another tensor address, shape, strides or dtype, or
+    another parameter) is a new launch, made again; the key holds addresses, not tensors."""
+    import torch
+
+    kernel, compiled, warmups = jit_kernel
+    made = []
+    make = _made_from(made)
+    storage = torch.zeros(64)
+    x = storage[:32].view(8, 4)
+    other = {"address": (storage[32:].view(8, 4), 16), "shape": (storage[:32].view(4, 8), 16),
+             "strides": (storage[:32].view(4, 8).t(), 16), "dtype": (storage[:32].view(torch.int32).view(8, 4), 16),
+             "params": (x, 32)}[change]
+    for tensor, box in ((x, 16), other):
+        launch.prepare(kernel, (1,), launch.Deferred(make, (tensor,), (box,)), n=2, scale=1.0, BLOCK=16)()
+    assert len(made) == 2 and made[0] != made[1] and len(warmups) == 2
+    assert [args[9] for args in compiled.launches] == [ptr + box for ptr, _, _, _, box in made]
+    for key in launch._LAUNCHES:
+        assert not any(isinstance(x, torch.Tensor) for x in _flattened(key))
+
+
+def _flattened(value):
+    return [x for item in value for x in _flattened(item)] if isinstance(value, tuple) else [value]
+
+
+def test_a_deferred_argument_is_made_for_the_usual_launch(jit_kernel, monkeypatch):
+    """With a launch hook installed the kernel launches through `kernel[grid]`, which gets the made argument."""
+    import torch
+
+    kernel, compiled, _ = jit_kernel
+    indexed, made = [], []
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    monkeypatch.setattr(JITFunction, "__getitem__", lambda self, grid: lambda *a, **k: indexed.append((a, k)))
+    x = torch.zeros(8, 4)
+    ready = launch.prepare(kernel, (1,), X=launch.Deferred(_made_from(made), (x,), (16,)), n=2, scale=1.0,
+                           BLOCK=16)
+    assert made == []
+    ready()
+    assert indexed == [((), dict(X=x.data_ptr() + 16, n=2, scale=1.0, BLOCK=16))] and compiled.launches == []
+
+
 def test_a_cached_launch_holds_no_tensor(jit_kernel):
     """The cache outlives the op's tensors: what it keeps of a launch must not keep their memory allocated."""
     import torch

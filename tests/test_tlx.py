@@ -596,6 +596,44 @@ def test_descriptor_layouts_read_in_place_or_copy():
     assert descriptor_layout(torch.randn(1, 4, 64).to(torch.bfloat16).expand(37, 4, 64)) is None  # rows aliased
 
 
+def test_descriptors_are_made_at_the_launch_where_tma_reads_in_place():
+    """A tensor TMA reads in place gets its descriptor at the launch (`jfa.launch.Deferred`, fingerprinted by the
+    tensor's address, dtype, shape and strides), made with `descriptor_layout`'s view of it, or at once when not
+    deferred (the forward's); a tensor it cannot read gets one of a contiguous copy at once. The statistics
+    likewise: deferred when contiguous and at least a box long, else a copy padded with zeros to a box."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from jfa.launch import Deferred
+    from jfa.tlx.backend import _descriptor, _statistics_descriptor, descriptor_layout
+
+    padded = torch.randn(37, 4, 168).to(torch.bfloat16)[:, :, 8:136]
+    deferred, head_stride = _descriptor(padded, 64)
+    assert isinstance(deferred, Deferred) and head_stride == 168
+    made = deferred.value()
+    assert isinstance(made, TensorDescriptor) and made.base is padded
+    assert (list(made.shape), list(made.strides)) == tuple(descriptor_layout(padded))
+    assert list(made.block_shape) == [64, 128]
+    eager, head_stride = _descriptor(padded, 64, defer=False)  # the forward's: made now, the same descriptor
+    assert isinstance(eager, TensorDescriptor) and eager.base is padded and head_stride == 168
+    assert (eager.shape, eager.strides, eager.block_shape) == (made.shape, made.strides, made.block_shape)
+
+    strided = torch.randn(37, 4, 256).to(torch.bfloat16)[:, :, ::2]
+    eager, head_stride = _descriptor(strided, 64)
+    assert isinstance(eager, TensorDescriptor) and head_stride == 128
+    assert eager.base.is_contiguous() and torch.equal(eager.base, strided)
+
+    stats = torch.randn(4, 300)
+    made = _statistics_descriptor(stats, 64)
+    assert isinstance(made, Deferred)
+    made = made.value()
+    assert list(made.shape) == [1200] and list(made.block_shape) == [128]
+    assert made.base.data_ptr() == stats.data_ptr() and torch.equal(made.base, stats.view(-1))
+    short = torch.randn(1, 100)
+    eager = _statistics_descriptor(short, 64)
+    assert isinstance(eager, TensorDescriptor) and list(eager.shape) == [128]
+    assert torch.equal(eager.base[:100], short[0]) and not eager.base[100:].any()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Paths that run without the kernel
 

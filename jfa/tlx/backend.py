@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from jfa import tile_scheduler as ts
-from jfa.launch import device_facts, launch_confirmed
+from jfa.launch import Deferred, device_facts, launch_confirmed
 from jfa.problem import Problem
 
 # Compute capability (major·10 + minor) -> module holding that architecture's `fwd_ws_kernel`.
@@ -190,15 +190,29 @@ def host_plan(problem: Problem, pack_block: int) -> HostPlan:
 # Launching.
 
 
-def _descriptor(x: torch.Tensor, box_rows: int):
+def _descriptor(x: torch.Tensor, box_rows: int, defer: bool = True):
+    """(TMA descriptor of x [T, H, D] as `descriptor_layout` sees it, with boxes of box_rows × D; x's head stride).
+    Where TMA reads x in place and `defer`, the descriptor is made at the launch, only if that launch is not
+    prepared already (`jfa.launch.Deferred`); where TMA cannot, now, of a contiguous copy.
+
+    Why the backward's launches defer and the forward's does not (`_launch_tlx`): the first backward launch waits
+    for its host work while the GPU idles (the forward's kernels end before it), and deferring (every launch's
+    then) took the tlx broadcast forward+backward from 2.31 to 2.16 ms a call on the H200
+    (docs/performance-log.md); the forward's host work is done before its `confirm()`, which waits for the
+    previous call's kernels anyway, and an A/B of the forward alone measured it slower with deferred descriptors
+    (not explained)."""
+    if descriptor_layout(x) is None:
+        x = x.contiguous()
+    elif defer:
+        return Deferred(_tensor_descriptor, (x,), (box_rows,)), x.stride(1)
+    return _tensor_descriptor(x, box_rows), x.stride(1)
+
+
+def _tensor_descriptor(x: torch.Tensor, box_rows: int):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    layout = descriptor_layout(x)
-    if layout is None:
-        x = x.contiguous()
-        layout = descriptor_layout(x)
-    shape, strides = layout
-    return TensorDescriptor(x, shape=shape, strides=strides, block_shape=[box_rows, x.shape[2]]), x.stride(1)
+    shape, strides = descriptor_layout(x)
+    return TensorDescriptor(x, shape=shape, strides=strides, block_shape=[box_rows, x.shape[2]])
 
 
 def _persistent_programs(n_tiles: int, device: torch.device) -> int:
@@ -212,9 +226,9 @@ def _launch_tlx(q, k, v, out, lse, row_max, row_sum, plan: HostPlan, problem: Pr
     device = q.device
     cfg = CONFIGS[problem.head_dim]
     kernel = importlib.import_module(KERNELS[_arch(device)]).fwd_ws_kernel
-    desc_q, sq_h = _descriptor(q, cfg.block_m // 2)
-    desc_k, sk_h = _descriptor(k, cfg.block_n)
-    desc_v, sv_h = _descriptor(v, cfg.block_n)
+    desc_q, sq_h = _descriptor(q, cfg.block_m // 2, defer=False)
+    desc_k, sk_h = _descriptor(k, cfg.block_n, defer=False)
+    desc_v, sv_h = _descriptor(v, cfg.block_n, defer=False)
     n_tiles = plan.tiles.n_tiles
     programs = _persistent_programs(n_tiles, device)
     scale = problem.sm_scale
@@ -339,13 +353,21 @@ def _launch_dq(q, k, v, out, dout, dq, row_max, row_sum, delta, triton_table, pr
 def _statistics_descriptor(x: torch.Tensor, block_m: int):
     """A flat 1-D descriptor of the [Hq, rows] fp32 statistics x with boxes of 2·block_m, for blocks of block_m
     rows (the kernel starts each box at the 16-byte aligned element at or below a block's first row, at most 3
-    before it); arrays shorter than a box are copied into one."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+    before it): made at the launch (`jfa.launch.Deferred`) where x is contiguous and holds a box; otherwise now,
+    of a copy (arrays shorter than a box are copied into one)."""
     box = 2 * block_m
+    if x.is_contiguous() and x.numel() >= box:
+        return Deferred(_flat_descriptor, (x,), (box,))
     flat = x.reshape(-1)
     if flat.numel() < box:
         flat = torch.cat([flat, flat.new_zeros(box - flat.numel())])
+    return _flat_descriptor(flat, box)
+
+
+def _flat_descriptor(x: torch.Tensor, box: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    flat = x.view(-1)
     return TensorDescriptor(flat, shape=[flat.numel()], strides=[1], block_shape=[box])
 
 
