@@ -12,7 +12,8 @@ with the reason) runs through jfa.attention, so each includes the op's validatio
 are triton.testing.do_bench means (warm-up first; the first calls, which compile and autotune, are made
 before timing). Reported: forward time, forward+backward time, backward = (fwd+bwd) − fwd, TFLOP/s that
 count only visible (query, key) pairs — forward 4·pairs·D per head, backward 2.5× that — the ratio of
-each to torch-varlen (FlashAttention-2), GB/s of compulsory traffic (inputs read and outputs written
+each to torch-varlen (FlashAttention-2; the backward's moves with the forward's timing too, the forward+
+backward's is one timing: `compare_with_peer`), GB/s of compulsory traffic (inputs read and outputs written
 once: q, k, v, out, lse forward; q, k, v, out, dout, lse read and dq, dk, dv written backward) and that
 rate as a share of the device's copy rate (a 1 GiB device-to-device copy timed at the start of the run),
 per row the memory roofline (the traffic's time at the copy rate, and the ratio to torch-varlen of a kernel
@@ -185,15 +186,24 @@ def bench_row(row: str, backends, dtype, head_dim: int, causal: bool, window, re
         results.append(record)
         torch.cuda.empty_cache()
         _print_record(record)
+    compare_with_peer(results)
+    return results, input_bytes
+
+
+def compare_with_peer(results: list[dict]) -> None:
+    """Each timed record's ratios to torch-varlen's, of one row of one run (`results`): the forward's, the
+    backward's, the forward+backward's and the rooflines'. The backward is the difference of two timings, so
+    anything that slows the forward's timing alone raises its ratio; the forward+backward's, one timing of the
+    two passes as a training step takes them, is the ratio such a change cannot flatter."""
     peer = next((r for r in results if r["backend"] == "torch-varlen" and "bwd_ms" in r), None)
     for r in results:
         if peer and "bwd_ms" in r:
             r["fwd_vs_varlen"] = peer["fwd_ms"] / r["fwd_ms"]
             r["bwd_vs_varlen"] = peer["bwd_ms"] / r["bwd_ms"] if r["bwd_ms"] > 0 else float("nan")
+            r["fwdbwd_vs_varlen"] = peer["fwdbwd_ms"] / r["fwdbwd_ms"]
             # The most any kernel could reach against FA2 here if the traffic alone set the time.
             r["fwd_roofline_vs_varlen"] = peer["fwd_ms"] / r["fwd_floor_ms"]
             r["bwd_roofline_vs_varlen"] = peer["bwd_ms"] / r["bwd_floor_ms"]
-    return results, input_bytes
 
 
 def derive(record: dict, fwd_bytes: float, bwd_bytes: float, copy_gbps: float) -> None:
@@ -359,8 +369,8 @@ def _print_record(r):
 
 def print_table(results) -> None:
     head = (f"{'row':9s} {'backend':13s} {'fwd ms':>8s} {'TF/s':>6s} {'xFA2':>5s} {'bwd ms':>8s} {'TF/s':>6s} "
-            f"{'xFA2':>5s} {'fwd GB/s':>8s} {'bwd GB/s':>8s} {'copy% f/b':>9s} {'extra MiB f/fb':>15s} "
-            f"{'dev ms f/fb':>13s} {'idle f/fb':>11s} {'MHz f/fb':>9s}")
+            f"{'xFA2':>5s} {'f+b xFA2':>8s} {'fwd GB/s':>8s} {'bwd GB/s':>8s} {'copy% f/b':>9s} "
+            f"{'extra MiB f/fb':>15s} {'dev ms f/fb':>13s} {'idle f/fb':>11s} {'MHz f/fb':>9s}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -368,8 +378,8 @@ def print_table(results) -> None:
             print(f"{r['row']:9s} {r['backend']:13s} {r.get('skipped') or r.get('error')}")
             continue
 
-        def ratio(key, r=r):
-            return f"{r[key]:5.2f}" if key in r else "    -"
+        def ratio(key, r=r, width=5):
+            return f"{r[key]:{width}.2f}" if key in r else f"{'-':>{width}s}"
 
         extra = f"{r['fwd_extra_bytes'] / 2**20:.0f}/{r['fwdbwd_extra_bytes'] / 2**20:.0f}"
         copy = f"{100 * r['fwd_copy_share']:.0f}/{100 * r['bwd_copy_share']:.0f}"
@@ -378,8 +388,9 @@ def print_table(results) -> None:
         device = f"{r['fwd_device_ms']:.3f}/{r['fwdbwd_device_ms']:.3f}"
         idle = f"{r['fwd_idle_ms']:.3f}/{r['fwdbwd_idle_ms']:.3f}"
         print(f"{r['row']:9s} {r['backend']:13s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:6.1f} {ratio('fwd_vs_varlen')} "
-              f"{r['bwd_ms']:8.3f} {r['bwd_tflops']:6.1f} {ratio('bwd_vs_varlen')} {r['fwd_gbps']:8.0f} "
-              f"{r['bwd_gbps']:8.0f} {copy:>9s} {extra:>15s} {device:>13s} {idle:>11s} {clocks:>9s}")
+              f"{r['bwd_ms']:8.3f} {r['bwd_tflops']:6.1f} {ratio('bwd_vs_varlen')} "
+              f"{ratio('fwdbwd_vs_varlen', width=8)} {r['fwd_gbps']:8.0f} {r['bwd_gbps']:8.0f} {copy:>9s} "
+              f"{extra:>15s} {device:>13s} {idle:>11s} {clocks:>9s}")
 
 
 def print_rooflines(results, copy_gbps: float) -> None:
@@ -408,9 +419,9 @@ def _markdown_line(r: dict, label: str) -> str:
                           for k in ("fwd", "fwdbwd"))
 
     if not _measured(r):
-        return f"| {label} | {r.get('skipped') or r.get('error')} |" + " |" * 8
+        return f"| {label} | {r.get('skipped') or r.get('error')} |" + " |" * 9
     return (f"| {label} | {r['fwd_ms']:.3f} | {rate('fwd')} | {ratio('fwd_vs_varlen')} | "
-            f"{r['bwd_ms']:.3f} | {rate('bwd')} | {ratio('bwd_vs_varlen')} | "
+            f"{r['bwd_ms']:.3f} | {rate('bwd')} | {ratio('bwd_vs_varlen')} | {ratio('fwdbwd_vs_varlen')} | "
             f"{pair('device_ms')} | {pair('idle_ms')} | {pair('sm_mhz', 0)} |")
 
 
@@ -419,9 +430,12 @@ def markdown_table(runs: list[dict]) -> str:
     with several runs, each record marked with its run's footnote (¹, ², ...) and `triton` under fbtriton named
     so; then the footnotes."""
     marks = "¹²³⁴⁵⁶⁷⁸⁹" if len(runs) > 1 else ""
-    lines = ["| row | backend | fwd ms | fwd TF/s | fwd ×FA2 | bwd ms | bwd TF/s | bwd ×FA2 | dev ms fwd / fwd+bwd "
-             "| idle fwd / fwd+bwd | MHz fwd / fwd+bwd |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| row | backend | fwd ms | fwd TF/s | fwd ×FA2 | bwd ms | bwd TF/s | bwd ×FA2 | fwd+bwd ×FA2 "
+             "| dev ms fwd / fwd+bwd | idle fwd / fwd+bwd | MHz fwd / fwd+bwd |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for run in runs:  # the ratios again, so that a run written before a ratio was added gets it too
+        for row in ROWS:
+            compare_with_peer([r for r in run["results"] if r["row"] == row])
     for row in ROWS:
         first = True
         for i, run in enumerate(runs):

@@ -95,6 +95,29 @@ def _timed(row: str, backend: str, fwd_ms: float, **extra) -> dict:
     return record
 
 
+def test_the_forward_backward_ratio_is_one_timing(capsys):
+    """Against the run's torch-varlen: the backward's ratio is of a difference of two timings, so a forward timed
+    slower raises it, while the forward+backward's, one timing, stays; both tables show it."""
+    peer = _timed("broadcast", "torch-varlen", 0.8, fwdbwd_ms=4.0)
+    timed = _timed("broadcast", "tlx", 0.5, fwdbwd_ms=2.0)
+    slow_forward = _timed("broadcast", "tlx", 0.6, fwdbwd_ms=2.0)
+    bench.compare_with_peer([peer, timed, slow_forward])
+    assert math.isclose(timed["bwd_vs_varlen"], 3.2 / 1.5) and math.isclose(slow_forward["bwd_vs_varlen"], 3.2 / 1.4)
+    assert timed["fwdbwd_vs_varlen"] == slow_forward["fwdbwd_vs_varlen"] == 2.0 and peer["fwdbwd_vs_varlen"] == 1.0
+    assert math.isclose(timed["fwd_vs_varlen"], 1.6)
+    # A run's markdown computes the ratios row by row, each against its own row's torch-varlen (a run written
+    # before the forward+backward ratio existed gets it too).
+    tiny_peer, tiny = _timed("tiny", "torch-varlen", 0.3, fwdbwd_ms=3.0), _timed("tiny", "tlx", 0.25, fwdbwd_ms=1.0)
+    header, _, tiny_peer_line, tiny_line, peer_line, timed_line, _ = bench.markdown_table([_run(
+        "3.7.4+fb", "2026-12-04", [peer, timed, slow_forward, tiny_peer, tiny])]).splitlines()[:7]
+    assert header.split(" | ")[7:9] == ["bwd ×FA2", "fwd+bwd ×FA2"]
+    assert timed_line.split(" | ")[7:9] == ["2.13", "2.00"] and peer_line.split(" | ")[7:9] == ["1.00", "1.00"]
+    assert tiny_line.split(" | ")[7:9] == ["3.60", "3.00"] and tiny_peer_line.split(" | ")[8] == "1.00"
+    bench.print_table([timed])
+    header, _, line = capsys.readouterr().out.splitlines()
+    assert "f+b xFA2" in header and line.split()[8] == "2.00"
+
+
 def test_markdown_table_joins_runs_row_by_row():
     """Each row's records run by run, marked with their run's footnote; triton under fbtriton named so; GB/s only
     on memory-bound rows; a skipped backend says why; the footnotes name each run."""
