@@ -71,6 +71,7 @@ STATIC, DYNAMIC, GRID = 0, 1, 2
 HEAD_MAJOR_MIN_RUN = 16
 SCHEDULES = {"static": STATIC, "dynamic": DYNAMIC, "grid": GRID}
 PACK_ALIGN = 16  # packed slots start at multiples of this (the MMA's reduction granularity)
+PACK_SHIFT = PACK_ALIGN.bit_length() - 1
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,14 @@ class PackTable:
     def n_tiles(self) -> int:
         """One tile per group: its program loops over the heads (a software-pipelined inner loop)."""
         return self.n_groups
+
+    def row_seqs(self) -> np.ndarray:
+        """int32 [n_groups, block // PACK_ALIGN]: entry e of group g is the sequence holding the tile's rows
+        [e·PACK_ALIGN, (e + 1)·PACK_ALIGN) (-1: none). What the packed forward reads: a row's sequence is then
+        one load that waits for no other (not the slot size first, then the slot's entry)."""
+        entry = np.arange(self.seqs.shape[1])
+        slot = entry[None, :] >> (self.shift[:, None] - PACK_SHIFT)
+        return np.ascontiguousarray(np.take_along_axis(self.seqs, slot, axis=1))
 
 
 def _as_int64(x) -> np.ndarray:

@@ -156,6 +156,13 @@ def test_pack_tiles():
             longest = max(int(q[s]), int(kv[s]))
             assert longest <= slot and (slot == 16 or longest > slot // 2), "the smallest slot class that fits"
     assert table.n_tiles == table.n_groups
+    # What the kernels read: each PACK_ALIGN rows' own sequence, the slot's entry repeated over its rows.
+    rows = table.row_seqs()
+    assert rows.shape == table.seqs.shape and rows.dtype == np.int32
+    for g in range(table.n_groups):
+        slot_rows = 1 << int(table.shift[g])
+        for row in range(0, 64, ts.PACK_ALIGN):
+            assert rows[g, row // ts.PACK_ALIGN] == table.seqs[g, row // slot_rows], (g, row)
 
 
 def test_tiny_sequences_pack_into_few_tiles():

@@ -264,7 +264,7 @@ def device_schedule(problem: Problem, config: BackendConfig) -> DeviceSchedule:
     )
     parts = [host.fwd.entries.ravel(), host.dq.entries.ravel(), host.dkv.entries.ravel(),
              host.short_bwd.entries.ravel(),
-             host.packed_fwd.seqs.ravel(), host.packed_fwd.shift.ravel(),
+             host.packed_fwd.row_seqs().ravel(), host.packed_fwd.shift.ravel(),
              host.packed_bwd.seqs.ravel(), host.packed_bwd.shift.ravel()]
     sizes = [p.size for p in parts]
     flat = torch.from_numpy(np.concatenate(parts).astype(np.int32)).to(problem.device)

@@ -300,17 +300,25 @@ def _fwd_kernel(
 
 @triton.jit
 def packed_layout(pack_seqs, pack_shift, g, q_offsets, out_offsets, kv_offsets,
-                  BLOCK: tl.constexpr, SLOTS: tl.constexpr):
+                  BLOCK: tl.constexpr, SLOTS: tl.constexpr, ROW_SEQS: tl.constexpr):
     """Per tile row (= per tile key, the same slot map): slot, local index, and its sequence's bounds.
 
     Returns (slot, loc, q_start, out_start, q_len, kv_start, kv_len, row_ok, key_ok), vectors [BLOCK];
-    lengths are 0 for empty slots, so their rows and keys are invalid.
+    lengths are 0 for empty slots, so their rows and keys are invalid. pack_seqs holds SLOTS entries per tile:
+    with ROW_SEQS, entry e is the sequence of rows [e·BLOCK/SLOTS, (e + 1)·BLOCK/SLOTS) (`PackTable.row_seqs`),
+    so a row's sequence is a load that waits for no other; otherwise entry s is slot s's (`PackTable.seqs`),
+    read at the slot the tile's slot size gives. The forward takes the first (the tiny row's packed forward
+    0.712 -> 0.656 ms on the H200), the backward the second (the first made it 2.13 -> 2.21 ms;
+    docs/performance-log.md).
     """
     shift = tl.load(pack_shift + g)
     offs = tl.arange(0, BLOCK)
     slot = offs >> shift
     loc = offs - (slot << shift)
-    seq = tl.load(pack_seqs + g * SLOTS + slot)
+    if ROW_SEQS:  # noqa: SIM108 - constexpr branches, kept as statements for the Triton frontend
+        seq = tl.load(pack_seqs + g * SLOTS + offs // (BLOCK // SLOTS))
+    else:
+        seq = tl.load(pack_seqs + g * SLOTS + slot)
     has = seq >= 0
     seq = tl.where(has, seq, 0)
     q_start, out_start, q_len, kv_start, kv_len = sequence_bounds(q_offsets, out_offsets, kv_offsets, seq)
@@ -432,7 +440,7 @@ def _fwd_packed_tile(
     DT: tl.constexpr = Out.dtype.element_ty
     offs_d, offs_dv, d_ok, dv_ok = head_dim_lanes(HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
     slot, loc, q_start, out_start, q_len, kv_start, kv_len, row_ok, key_ok = packed_layout(
-        pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets, BLOCK, SLOTS)
+        pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets, BLOCK, SLOTS, True)
     seen = packed_visible(slot, loc, q_len, kv_len, row_ok, key_ok, window, HAS_WINDOW, CAUSAL)
     if FLAG_PER_HEAD:  # noqa: SIM108 - constexpr branches, kept as statements for the Triton frontend
         bad = 0
