@@ -14,6 +14,7 @@ over elements of |error| / bound must be <= MAX_BOUND_RATIO for out, lse, dq, dk
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -187,6 +188,23 @@ def test_matches_reference(case):
     q_lens = [int(rng.integers(1, lq + 1))] * batch if broadcast else random_lengths(rng, batch, lq)
     check_against_reference(q_lens, kv_lens, hq, hkv, d, dv, dtype=dtype, seed=seed, scale=scale,
                             broadcast_q=broadcast, sm_scale=sm_scale, **mask)
+
+
+@needs_interpreter
+def test_packed_tiles_of_64_rows(monkeypatch):
+    """Packed tiles of 64 rows, as the H200's packed forward and its D <= 64 packed backward have them: four
+    slots of 16, two of 32, one of 64, so a tile's slot entries and its 16-row entries differ
+    (`PackTable.row_seqs`, which the forward reads; the backward reads the slot entries), unlike SMALL_BLOCKS'
+    32-row tiles, where a backward given the row table would read the same sequences. Both against the
+    reference."""
+    from jfa.triton import backend
+
+    tile = backend.KernelConfig(64, 64, 4, (1,))
+    monkeypatch.setattr(backend, "_config_override",
+                        dataclasses.replace(backend.SMALL_BLOCKS, packed_fwd=tile, packed_bwd=tile))
+    q_lens = [5, 16, 40, 17, 9, 30, 64, 2, 33]
+    kv_lens = [7, 12, 38, 20, 16, 31, 60, 1, 50]
+    check_against_reference(q_lens, kv_lens, 2, 1, 16, 16, seed=12, causal=True)
 
 
 @needs_interpreter
@@ -368,7 +386,6 @@ def test_short_query_backward(mask, lengths):
     without a key: no_visible_key's 60 x 20, with a 64-row short block), and bitwise the same alone as inside
     the batch. The lengths include a single query row, exactly the block, a longer sequence (two passes),
     packed ones (12 x 12; 30 queries without keys) and keys without queries (two passes)."""
-    import dataclasses
 
     from jfa.triton import backend
 
