@@ -156,7 +156,7 @@ def test_pack_tiles():
             longest = max(int(q[s]), int(kv[s]))
             assert longest <= slot and (slot == 16 or longest > slot // 2), "the smallest slot class that fits"
     assert table.n_tiles == table.n_groups
-    # What the kernels read: each PACK_ALIGN rows' own sequence, the slot's entry repeated over its rows.
+    # What the packed forward reads: each PACK_ALIGN rows' own sequence, the slot's entry repeated over its rows.
     rows = table.row_seqs()
     assert rows.shape == table.seqs.shape and rows.dtype == np.int32
     for g in range(table.n_groups):

@@ -191,20 +191,23 @@ def test_matches_reference(case):
 
 
 @needs_interpreter
-def test_packed_tiles_of_64_rows(monkeypatch):
+@pytest.mark.parametrize("seed", [12, 13])
+def test_packed_tiles_of_64_rows(seed, monkeypatch):
     """Packed tiles of 64 rows, as the H200's packed forward and its D <= 64 packed backward have them: four
     slots of 16, two of 32, one of 64, so a tile's slot entries and its 16-row entries differ
     (`PackTable.row_seqs`, which the forward reads; the backward reads the slot entries), unlike SMALL_BLOCKS'
     32-row tiles, where a backward given the row table would read the same sequences. Both against the
-    reference."""
+    reference, on lengths drawn over every slot class (a few of each, so most tiles hold several)."""
     from jfa.triton import backend
 
     tile = backend.KernelConfig(64, 64, 4, (1,))
     monkeypatch.setattr(backend, "_config_override",
                         dataclasses.replace(backend.SMALL_BLOCKS, packed_fwd=tile, packed_bwd=tile))
-    q_lens = [5, 16, 40, 17, 9, 30, 64, 2, 33]
-    kv_lens = [7, 12, 38, 20, 16, 31, 60, 1, 50]
-    check_against_reference(q_lens, kv_lens, 2, 1, 16, 16, seed=12, causal=True)
+    rng = np.random.default_rng(seed)
+    longest = np.repeat([16, 32, 64], 4)  # the slot classes, four sequences each: q_len in the class, kv_len <= it
+    q_lens = [int(rng.integers(n // 2 + 1 if n > 16 else 1, n + 1)) for n in longest]
+    kv_lens = [int(rng.integers(1, n + 1)) for n in longest]
+    check_against_reference(q_lens, kv_lens, 2, 1, 16, 16, seed=seed, causal=True)
 
 
 @needs_interpreter
