@@ -201,17 +201,21 @@ def _descriptor(x: torch.Tensor, box_rows: int, defer: bool = True):
     (docs/performance-log.md); the forward's host work is done before its `confirm()`, which waits for the
     previous call's kernels anyway, and an A/B of the forward alone measured it slower with deferred descriptors
     (not explained)."""
-    if descriptor_layout(x) is None:
+    layout = descriptor_layout(x)
+    if layout is None:
         x = x.contiguous()
+        layout = descriptor_layout(x)
     elif defer:
         return Deferred(_tensor_descriptor, (x,), (box_rows,)), x.stride(1)
-    return _tensor_descriptor(x, box_rows), x.stride(1)
+    return _tensor_descriptor(x, box_rows, layout), x.stride(1)
 
 
-def _tensor_descriptor(x: torch.Tensor, box_rows: int):
+def _tensor_descriptor(x: torch.Tensor, box_rows: int, layout=None):
+    """The TMA descriptor of x read in place; `layout` is `descriptor_layout(x)` where the caller has it already
+    (a deferred one is made from x alone)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    shape, strides = descriptor_layout(x)
+    shape, strides = layout or descriptor_layout(x)
     return TensorDescriptor(x, shape=shape, strides=strides, block_shape=[box_rows, x.shape[2]])
 
 
