@@ -2,6 +2,9 @@
 
 `visible` is a Triton function, so kernels inline it; its plain-Python body (`visible.fn`) is what the
 reference, the bf16 model and the tests call on torch tensors, so host and device cannot drift apart.
+`visible_keys` states the same rule as one interval of keys per query, for kernels that compare a whole tile
+of keys with each row (tests/test_triton_backend.py::test_packed_visible_is_the_rule_per_slot holds the two to
+each other).
 """
 
 from __future__ import annotations
@@ -24,6 +27,20 @@ def visible(i, j, q_len, kv_len, window, HAS_WINDOW: tl.constexpr, CAUSAL: tl.co
     if CAUSAL:
         ok = ok & (j <= i + kv_len - q_len)
     return ok
+
+
+@triton.jit
+def visible_keys(i, q_len, kv_len, window, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
+    """`visible` as an interval: key j >= 0 is visible to query i iff lo <= j < hi (lo may be negative; hi <= lo
+    when no key is). A (query, key) pair then costs two comparisons where `visible` makes up to five."""
+    lo = i * 0
+    hi = kv_len + lo
+    if HAS_WINDOW:
+        lo = i - window
+        hi = tl.minimum(hi, i + window + 1)
+    if CAUSAL:
+        hi = tl.minimum(hi, i + kv_len - q_len + 1)
+    return lo, hi
 
 
 # The rule's plain-Python body, bound once: torch.compile inlines a plain function (the flex peer's mask_mod

@@ -37,6 +37,7 @@ from jfa.mask import visible_torch  # noqa: E402
 from jfa.tile_scheduler import tile_at  # noqa: E402
 from jfa.triton import backend as triton_backend  # noqa: E402
 from jfa.triton.backend import ISOLATION_GRAD_GAP  # noqa: E402
+from jfa.triton.forward import packed_visible  # noqa: E402
 from reference.exact import reference  # noqa: E402
 from tests.helpers import interpreter_unavailable, offsets, problem_of  # noqa: E402
 
@@ -659,6 +660,50 @@ def test_block_ranges_match_host_twin():
         want_q = np.stack(q_block_range_np(a0, a1, q_len, kv_len, window, block, causal), 1)
         np.testing.assert_array_equal(out[:, :4].numpy(), want_kv)
         np.testing.assert_array_equal(out[:, 4:].numpy(), want_q)
+
+
+@triton.jit
+def _packed_visible_kernel(layout, out, window, BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                           CAUSAL: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    loc = tl.load(layout + offs)
+    q_len = tl.load(layout + BLOCK + offs)
+    kv_len = tl.load(layout + 2 * BLOCK + offs)
+    seen = packed_visible(loc, q_len, kv_len, loc < q_len, window, HAS_WINDOW, CAUSAL)
+    tl.store(out + offs[:, None] * BLOCK + offs[None, :], seen.to(tl.int32))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shift", [2, 3, 5])
+def test_packed_visible_is_the_rule_per_slot(shift):
+    """A packed tile's mask (`packed_visible`, each row's interval of keys from `jfa.mask.visible_keys`) is the
+    contract's rule applied slot by slot: row i sees key j iff they share a slot, i is below its slot's q_len,
+    j below its kv_len and `visible` holds for their local indices. Lengths from 0 to the slot size (q > kv,
+    q < kv, empty slots), every window from 0 to past the slot, causal or not."""
+    block, size = 32, 1 << shift
+    rng = np.random.default_rng(shift)
+    offs = np.arange(block)
+    slot, loc = offs >> shift, offs & (size - 1)
+    same = slot[:, None] == slot[None, :]
+    seen_in_slot = []
+    for _ in range(4):
+        q_len, kv_len = (rng.integers(0, size + 1, block // size)[slot] for _ in range(2))
+        layout = torch.from_numpy(np.concatenate([loc, q_len, kv_len]).astype(np.int32))
+        for window in (None, 0, 1, int(rng.integers(2, size + 2))):
+            for causal in (False, True):
+                got = torch.empty(block, block, dtype=torch.int32)
+                _packed_visible_kernel[(1,)](layout, got, 0 if window is None else window, BLOCK=block,
+                                             HAS_WINDOW=window is not None, CAUSAL=causal)
+                rule = visible_torch(torch.from_numpy(loc)[:, None], torch.from_numpy(loc)[None, :],
+                                     torch.from_numpy(q_len)[:, None], torch.from_numpy(kv_len)[:, None], window,
+                                     causal).numpy()
+                want = same & (loc < q_len)[:, None] & (loc < kv_len)[None, :] & rule
+                seen_in_slot.append(want[same & (loc < q_len)[:, None] & (loc < kv_len)[None, :]])
+                np.testing.assert_array_equal(got.numpy().astype(bool), want,
+                                              err_msg=f"slot size {size}, q {q_len[::size]}, kv {kv_len[::size]}, "
+                                                      f"window {window}, causal {causal}")
+    seen_in_slot = np.concatenate(seen_in_slot)
+    assert seen_in_slot.any() and not seen_in_slot.all()  # the draws reach keys of both kinds inside slots
 
 
 @triton.jit
