@@ -697,8 +697,9 @@ def test_packed_visible_is_the_rule_per_slot(shift):
                 rule = visible_torch(torch.from_numpy(loc)[:, None], torch.from_numpy(loc)[None, :],
                                      torch.from_numpy(q_len)[:, None], torch.from_numpy(kv_len)[:, None], window,
                                      causal).numpy()
-                want = same & (loc < q_len)[:, None] & (loc < kv_len)[None, :] & rule
-                seen_in_slot.append(want[same & (loc < q_len)[:, None] & (loc < kv_len)[None, :]])
+                in_slot = same & (loc < q_len)[:, None] & (loc < kv_len)[None, :]
+                want = in_slot & rule
+                seen_in_slot.append(want[in_slot])
                 np.testing.assert_array_equal(got.numpy().astype(bool), want,
                                               err_msg=f"slot size {size}, q {q_len[::size]}, kv {kv_len[::size]}, "
                                                       f"window {window}, causal {causal}")

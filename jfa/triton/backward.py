@@ -472,7 +472,7 @@ def _bwd_packed_kernel(
     r = pid * 0
     while t < n_tiles:
         t_next = next_tile(r, pid, nprog, n_tiles, counter, SCHEDULE)
-        slot, loc, q_start, out_start, q_len, kv_start, kv_len, row_ok, key_ok = packed_layout(
+        _, loc, q_start, out_start, q_len, kv_start, kv_len, row_ok, key_ok = packed_layout(
             pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets, BLOCK, SLOTS, False)
         seen = packed_visible(loc, q_len, kv_len, row_ok, window, HAS_WINDOW, CAUSAL)
         dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
