@@ -77,6 +77,26 @@ def test_compare_names_every_kind_of_difference():
     assert compiled.compare({"a": {"ttgir": "x"}}, {"a": {"ttgir": "x"}}) == (["same    a"], True)
 
 
+def test_sass_size_counts_instructions_and_the_longest_innermost_loop():
+    """`sass_size` on an nvdisasm-shaped listing: every instruction counted once; loops are a label up to a later
+    branch back to it (forward branches and a branch to itself at the end make none); the longest loop holding
+    no other is reported, so an outer loop around it is not."""
+    def instructions(opcodes):
+        return [f"        /*{i:04x}*/                   {op} ;" for i, op in enumerate(opcodes)]
+
+    listing = "\n".join([
+        *instructions(["S2R R0, SR_TID.X", "@P0 BRA `(.L_x_2)"]),  # forward branch: no loop
+        ".L_x_0:", *instructions(["IMAD R1, R1, R2, RZ"]),  # outer loop: 1 + inner (5) + 2
+        ".L_x_1:", *instructions(["FADD R3, R3, R4", "FMUL R3, R3, R4", "MUFU.EX2 R3, R3",
+                                  "ISETP.NE.AND P1, PT, R3, RZ, PT", "@P1 BRA `(.L_x_1)"]),  # inner loop: 5
+        *instructions(["IADD3 R5, R5, 0x1, RZ", "@P2 BRA `(.L_x_0)"]),
+        ".L_x_3:", *instructions(["NOP", "BRA `(.L_x_3)"]),  # a second innermost loop, shorter: 2
+        ".L_x_2:", *instructions(["EXIT", "BRA `(.L_x_4)"]), ".L_x_4:", *instructions(["BRA `(.L_x_4)"]),
+    ])
+    assert compiled.sass_size(listing) == (15, 5)
+    assert compiled.sass_size("\n".join(instructions(["EXIT"]))) == (1, 0)
+
+
 def test_variants_cover_every_kernel_once_per_configuration():
     from jfa.triton import backward, forward
 

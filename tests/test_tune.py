@@ -195,7 +195,8 @@ def test_main_without_cuda_exits_2_with_a_message(monkeypatch, capsys, extra):
 
 def test_compile_only_reports_ptxas_usage_of_each_candidate_and_failures():
     """`--compile-only` compiles every candidate at each num_stages for sm_90 without a GPU and prints ptxas's
-    registers, spills and shared memory; a candidate that does not compile is reported and fails the run."""
+    registers, spills and shared memory and the SASS size (the head loop inside the kernel); a candidate that
+    does not compile is reported and fails the run."""
     import os
     import subprocess
     import sys
@@ -217,6 +218,7 @@ sys.exit(tune.main(["--compile-only", "--roles", "packed_fwd", "--head-dim", "16
                                                        "packed_fwd 24x24 w4 s1 r1"], lines
     for line in lines[:2]:
         fields = line.split()
-        regs, spill, smem = (int(fields[fields.index(name) + 1]) for name in ("regs", "spill", "smem"))
-        assert 0 < regs <= 255 and spill >= 0 and smem > 0, line
+        regs, spill, smem, sass, loop = (int(fields[fields.index(name) + 1])
+                                         for name in ("regs", "spill", "smem", "sass", "loop"))
+        assert 0 < regs <= 255 and spill >= 0 and smem > 0 and 0 < loop < sass, line
     assert "FAIL" in lines[2], lines[2]

@@ -433,7 +433,7 @@ def _bwd_short_kernel(
 def next_head(kv_head, in_group, group):
     """(key/value head, place in its group) of the query head after one at (kv_head, in_group): counted over the
     packed backward's head loop, where `head // group` and `head % group` divided by a run-time value at every
-    head (ptxas for sm_90 under triton 3.6, D 128: its loop 1,021 -> 997 SASS instructions). The packed forward
+    head (ptxas for sm_90 under triton 3.6, D 128: its loop 1,022 -> 998 SASS instructions). The packed forward
     keeps its division, which also addresses the next head's L2 prefetch: counted, that prefetch either moved
     after the next head's copies (where it gains nothing; tests/test_compiled.py failed) or took its own
     addresses, as many instructions as the division (docs/performance-log.md)."""

@@ -33,6 +33,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[2]
 HEAD_DIMS = ((128, 128), (64, 64), (80, 80), (96, 96), (192, 192), (256, 256), (128, 64), (8, 24))
@@ -170,33 +171,95 @@ def compile_variant(variant: Variant, arch: int = 90):
                                        maxnreg=variant.max_registers))
 
 
-def ptxas_stats(kernel, arch: int = 90) -> tuple[str, str, str]:
-    """(registers, spill-store bytes, ptxas -v's report) of a compiled kernel, by the ptxas that triton itself
-    uses for sm_<arch> ("?" where ptxas printed none). Shared by this module and `jfa.tlx.compile_check`."""
+def _nvidia_tool(name: str, arch: int) -> str:
+    """Path of ptxas or nvdisasm as triton itself uses them for sm_<arch> (newer tritons ship two ptxas binaries
+    and pick by arch; nvdisasm sits beside them)."""
     import triton
 
-    try:  # newer tritons ship two ptxas binaries and pick by arch
+    try:
         from triton.backends.nvidia.compiler import get_ptxas
 
         ptxas = get_ptxas(arch).path
     except (ImportError, TypeError, AttributeError):
         ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return ptxas if name == "ptxas" else os.path.join(os.path.dirname(ptxas), name)
+
+
+def ptxas_stats(kernel, arch: int = 90) -> tuple[str, str, str]:
+    """(registers, spill-store bytes, ptxas -v's report) of a compiled kernel, by the ptxas that triton itself
+    uses for sm_<arch> ("?" where ptxas printed none). Shared by this module and `jfa.tlx.compile_check`."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx_path = os.path.join(tmp, "k.ptx")
         with open(ptx_path, "w") as f:
             f.write(kernel.asm["ptx"])
-        info = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", ptx_path, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True).stderr
+        info = subprocess.run([_nvidia_tool("ptxas", arch), f"-arch=sm_{arch}a", "-v", ptx_path, "-o",
+                               os.path.join(tmp, "k.cubin")], capture_output=True, text=True).stderr
     regs = re.findall(r"Used (\d+) registers", info)
     spill = re.findall(r"(\d+) bytes spill stores", info)
     return regs[0] if regs else "?", spill[0] if spill else "?", info
 
 
-def ptxas_usage(variant: Variant, arch: int = 90) -> tuple[str, str, int]:
-    """(registers, spill-store bytes, shared-memory bytes) of the variant compiled for sm_<arch>."""
+_SASS_INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*)$")
+_SASS_LABEL = re.compile(r"^(\.L_x_\d+):")
+_SASS_BRANCH = re.compile(r"\bBRA\b[^(]*\((\.L_x_\d+)\)")
+
+
+def sass_size(listing: str) -> tuple[int, int]:
+    """(instructions, instructions of the longest innermost loop) of an `nvdisasm -c` listing: a loop is the
+    instructions from a label to a later branch back to it (that branch included), innermost when it holds no
+    other loop; 0 where there is none."""
+    labels, loops, count = {}, [], 0
+    for line in listing.splitlines():
+        label = _SASS_LABEL.match(line)
+        if label:
+            labels[label.group(1)] = count
+        instruction = _SASS_INSTRUCTION.match(line)
+        if instruction:
+            branch = _SASS_BRANCH.search(instruction.group(1))
+            if branch and labels.get(branch.group(1), count) < count:
+                loops.append((labels[branch.group(1)], count + 1))
+            count += 1
+    innermost = [end - start for start, end in loops
+                 if not any((s, e) != (start, end) and start <= s and e <= end for s, e in loops)]
+    return count, max(innermost, default=0)
+
+
+def sass_counts(kernel, arch: int = 90) -> tuple[str, str]:
+    """`sass_size` of a compiled kernel (`nvdisasm -c` of its cubin, the nvdisasm beside triton's ptxas), as
+    strings: ("?", "?") without nvdisasm. For the packed kernels the loop is the head loop, for the others the
+    key-block loop. A static count: what a change adds to or removes from a loop's body, not its time."""
+    tool = _nvidia_tool("nvdisasm", arch)
+    if not os.path.exists(tool):
+        return "?", "?"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        listing = subprocess.run([tool, "-c", cubin], capture_output=True, text=True).stdout
+    count, loop = sass_size(listing)
+    return (str(count), str(loop)) if count else ("?", "?")
+
+
+class Usage(NamedTuple):
+    """What a compiled variant uses (ptxas's registers and spill-store bytes, "?" where it printed none; shared
+    memory) and its SASS size (`sass_counts`)."""
+
+    regs: str
+    spill: str
+    smem: int
+    sass: str
+    loop: str
+
+    def __str__(self) -> str:
+        return (f"regs {self.regs:>3s} spill {self.spill:>5s} smem {self.smem:>6d} sass {self.sass:>5s} "
+                f"loop {self.loop:>5s}")
+
+
+def ptxas_usage(variant: Variant, arch: int = 90) -> Usage:
+    """Registers, spill-store bytes, shared-memory bytes and SASS size of the variant compiled for sm_<arch>."""
     kernel = compile_variant(variant, arch)
     regs, spill, _ = ptxas_stats(kernel, arch)
-    return regs, spill, kernel.metadata.shared
+    return Usage(regs, spill, kernel.metadata.shared, *sass_counts(kernel, arch))
 
 
 _LOCATION = re.compile(r" loc\((#loc\d*|[^()]*(\([^()]*\))?[^()]*)\)")

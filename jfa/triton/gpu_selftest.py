@@ -409,7 +409,8 @@ def _check_invariance(spec, q, k, v, dout, kw, batch, device):
 
 def compile_check(quick: bool = False, arch: int = 90, head_dims: list[tuple[int, int]] | None = None) -> bool:
     """Compiles every kernel variant (`jfa.triton.compiled.variants`) for sm_<arch> with this triton; prints
-    ptxas registers and spills. head_dims: only these (D, Dv) pairs (e.g. the config class just retuned)."""
+    ptxas registers and spills, shared memory and SASS size (`jfa.triton.compiled.Usage`). head_dims: only these
+    (D, Dv) pairs (e.g. the config class just retuned)."""
     from jfa.triton import backend
     from jfa.triton.compiled import ptxas_usage, variants
 
@@ -420,13 +421,12 @@ def compile_check(quick: bool = False, arch: int = 90, head_dims: list[tuple[int
     for variant in variants(quick, head_dims):
         start = time.perf_counter()
         try:
-            regs, spill, smem = ptxas_usage(variant, arch)
+            usage = ptxas_usage(variant, arch)
         except Exception as error:  # noqa: BLE001 - report every failure
             print(f"FAIL {variant.label}: {type(error).__name__}: {str(error)[:1500]}")
             ok = False
             continue
-        print(f"ok   {variant.label:60s} regs {regs:>3s} spill {spill:>5s} smem {smem:>6d}  "
-              f"({time.perf_counter() - start:.1f}s)")
+        print(f"ok   {variant.label:60s} {usage}  ({time.perf_counter() - start:.1f}s)")
     print("COMPILE PASS" if ok else "COMPILE FAIL")
     return ok
 

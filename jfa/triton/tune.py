@@ -498,7 +498,7 @@ def warm_up(args, block_d: int) -> dict[tuple, str]:
 
 def compile_candidates(roles, head_dim: int, dtype: str, arch: int = 90) -> int:
     """--compile-only: every candidate of each role (each num_stages), compiled for sm_<arch> with the
-    installed triton (no GPU), no mask, with ptxas's registers, spill stores and shared memory: which
+    installed triton (no GPU), no mask, with ptxas's registers, spill stores, shared memory and SASS size: which
     candidates a compiler spills on, before any is timed. 0 when all compiled."""
     from jfa.triton.compiled import ptxas_usage, role_variants
 
@@ -511,12 +511,12 @@ def compile_candidates(roles, head_dim: int, dtype: str, arch: int = 90) -> int:
             for variant in role_variants(role, cfg, head_dim, head_dim, dtype):
                 name = f"{role:10s} {label(dataclasses.replace(cfg, stages=(variant.num_stages,)))}"
                 try:
-                    regs, spill, smem = ptxas_usage(variant, arch)
+                    usage = ptxas_usage(variant, arch)
                 except Exception as error:  # noqa: BLE001 - report every failure
                     print(f"{name}  FAIL {type(error).__name__}: {' '.join(str(error).split())[:300]}")
                     failed += 1
                     continue
-                print(f"{name}  regs {regs:>3s} spill {spill:>5s} smem {smem:>6d}", flush=True)
+                print(f"{name}  {usage}", flush=True)
     return 1 if failed else 0
 
 
