@@ -37,3 +37,29 @@ def test_bias_of_constant_and_tiny_samples():
     one = torch.zeros(10, dtype=torch.bool)
     one[3] = True
     assert _bias(0.5 * ones, ones, ones, one) == (0.0, 0.0, 1.0)  # fewer than two elements
+
+
+def test_ulp_statistic_leaves_out_references_below_their_bound():
+    """max_ulp counts an element only where its reference is at least its error bound: a result that cancels to
+    about zero (its reference below the bound, as dk with identical V rows) has no meaningful ulps, and its count
+    would follow the reference's own float64 rounding. The other elements keep their ulps; an element at least
+    ULP_MAGNITUDE_FLOOR of the largest but below its bound is the one left out."""
+    from verify.limits import ULP_MAGNITUDE_FLOOR
+    from verify.stats import compare, ulp
+
+    gen = torch.Generator().manual_seed(3)
+    rows, heads, cols = 6, 2, 8
+    ref = (torch.rand(rows, heads, cols, generator=gen, dtype=torch.float64) + 0.5).neg_()  # |ref| in [0.5, 1.5)
+    bound = ref.abs() * 2.0**-7  # as the bf16 model's: about u·|ref|
+    cancelled = (4, 1, 3)
+    ref[cancelled], bound[cancelled] = 2.0**-6, 2.0**-4  # above the magnitude floor, below its own bound
+    assert ref.abs()[cancelled] >= ULP_MAGNITUDE_FLOOR * ref.abs().max()
+    steps = torch.randint(0, 3, ref.shape, generator=gen, dtype=torch.float64)
+    got = ref + steps * ulp(ref, torch.bfloat16)  # whole bf16 ulps of the reference: the statistic is steps
+    got[cancelled] = ref[cancelled] + 2.0**-5  # within its bound, 256 ulps of its reference
+    stats = compare("out", got, ref, bound, torch.zeros(heads, rows, dtype=torch.float64),
+                    torch.zeros(rows, heads, cols, dtype=torch.bool), torch.tensor([0, 2, rows]), torch.bfloat16)
+    steps[cancelled] = 0
+    assert stats.max_ulp == float(steps.max()) == 2.0
+    assert sum(stats.ulp_histogram) == rows * heads * cols - 1
+    assert stats.checks["bound"]  # the left-out element is within its bound, the others at most 2 ulps apart

@@ -22,7 +22,8 @@ BIAS_P = 1e-6
 BIAS_FLOOR = 0.03
 BIAS_FACTOR = 2.0
 # Elements smaller than this fraction of the tensor's largest reference value are left out of the ulp
-# statistic, where an ulp of a near-zero reference is meaninglessly small.
+# statistic, where an ulp of a near-zero reference is meaninglessly small (and so are those below their own
+# error bound: `verify.stats.compare`).
 ULP_MAGNITUDE_FLOOR = 2.0**-8
 # Bin edges (in ulps of the reference) of the per-tensor ulp-error histogram kept for reports.
 ULP_BINS = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0, 256.0, 4096.0, math.inf)
