@@ -5,7 +5,7 @@
 every head-dim class (`jfa.triton.backend.gpu_config`) and its num_stages candidates, with and without
 causal and window, bf16 (and fp16 at head dim 128), dq in the input dtype and as the fp32 broadcast_q
 partial. `python -m jfa.triton.gpu_selftest --compile-only` compiles them and prints ptxas's registers
-and spills.
+and spills, shared memory and SASS size (`Usage`).
 
 Why compare TTGIR. A change meant to leave the kernels alone (a helper extracted, code moved between
 modules) can be proven to on a CPU: if every variant's TTGIR (the Triton GPU dialect after the pipeliner,

@@ -11,9 +11,9 @@ and exits 0 only if every case passes. Cases run in parallel worker processes (-
 compilations overlap; autotuning is off unless --autotune (it would add a benchmark per kernel variant).
 
 `--compile-only` needs no GPU: it compiles every kernel variant for sm_90 with the installed triton and
-prints ptxas registers, spill bytes and shared memory per kernel (a CPU-side check that the kernel source
-compiles on the GPU machine's triton version and keeps its register budget); `--head-dims 256 192/128` limits
-it to those head dims (the config class just retuned).
+prints ptxas registers, spill bytes, shared memory and SASS size per kernel (a CPU-side check that the kernel
+source compiles on the GPU machine's triton version and keeps its register budget, and of what a change does to
+its loops); `--head-dims 256 192/128` limits it to those head dims (the config class just retuned).
 """
 
 from __future__ import annotations

@@ -532,7 +532,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every figure and the environment here")
     parser.add_argument("--compile-only", action="store_true",
-                        help="no GPU: compile each candidate for sm_90 and print ptxas's registers and spills")
+                        help="no GPU: compile each candidate for sm_90 and print ptxas's registers and spills, "
+                             "shared memory and SASS size")
     parser.add_argument("--warm", help=argparse.SUPPRESS)  # i/n: be warm-up worker i of n
     args = parser.parse_args(argv)
     if not (HEAD_DIM_MULTIPLE <= args.head_dim <= MAX_HEAD_DIM and args.head_dim % HEAD_DIM_MULTIPLE == 0):
