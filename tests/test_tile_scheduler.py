@@ -161,7 +161,7 @@ def test_pack_tiles():
     assert rows.shape == table.seqs.shape and rows.dtype == np.int32
     for g in range(table.n_groups):
         slot_rows = 1 << int(table.shift[g])
-        for row in range(0, 64, ts.PACK_ALIGN):
+        for row in range(0, table.block, ts.PACK_ALIGN):
             assert rows[g, row // ts.PACK_ALIGN] == table.seqs[g, row // slot_rows], (g, row)
 
 

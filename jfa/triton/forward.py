@@ -359,11 +359,11 @@ def packed_visible(loc, q_len, kv_len, row_ok, window, HAS_WINDOW: tl.constexpr,
     (ptxas for sm_90 under triton 3.6, head dim 128: the packed forward 2,224 -> 2,016 SASS instructions, 2,720
     -> 2,032 with causal and window; docs/performance-log.md)."""
     lo, hi = visible_keys(loc, q_len, kv_len, window, HAS_WINDOW, CAUSAL)
-    slot_start = tl.arange(0, loc.shape[0]) - loc
+    offs = tl.arange(0, loc.shape[0])  # a tile row's index, and a tile key's
+    slot_start = offs - loc
     lo = slot_start + tl.maximum(lo, 0)
     hi = tl.where(row_ok, slot_start + hi, lo)
-    keys = tl.arange(0, loc.shape[0])[None, :]
-    return (keys >= lo[:, None]) & (keys < hi[:, None])
+    return (offs[None, :] >= lo[:, None]) & (offs[None, :] < hi[:, None])
 
 
 @triton.jit
