@@ -663,23 +663,26 @@ def test_block_ranges_match_host_twin():
 
 
 @triton.jit
-def _packed_visible_kernel(layout, out, window, BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                           CAUSAL: tl.constexpr):
+def _packed_visible_kernel(layout, out, window, BLOCK: tl.constexpr, SHIFT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                           CAUSAL: tl.constexpr, BY_INTERVAL: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     loc = tl.load(layout + offs)
     q_len = tl.load(layout + BLOCK + offs)
     kv_len = tl.load(layout + 2 * BLOCK + offs)
-    seen = packed_visible(loc, q_len, kv_len, loc < q_len, window, HAS_WINDOW, CAUSAL)
+    seen = packed_visible(offs >> SHIFT, loc, q_len, kv_len, loc < q_len, loc < kv_len, window, HAS_WINDOW, CAUSAL,
+                          BY_INTERVAL)
     tl.store(out + offs[:, None] * BLOCK + offs[None, :], seen.to(tl.int32))
 
 
 @needs_interpreter
+@pytest.mark.parametrize("by_interval", [True, False], ids=["interval", "pairs"])
 @pytest.mark.parametrize("shift", [2, 3, 5])
-def test_packed_visible_is_the_rule_per_slot(shift):
-    """A packed tile's mask (`packed_visible`, each row's interval of keys from `jfa.mask.visible_keys`) is the
-    contract's rule applied slot by slot: row i sees key j iff they share a slot, i is below its slot's q_len,
-    j below its kv_len and `visible` holds for their local indices. Lengths from 0 to the slot size (q > kv,
-    q < kv, empty slots), every window from 0 to past the slot, causal or not."""
+def test_packed_visible_is_the_rule_per_slot(shift, by_interval):
+    """A packed tile's mask (`packed_visible` in either form: each row's interval of keys from
+    `jfa.mask.visible_keys`, the forward's, or the rule per pair, the backward's) is the contract's rule applied
+    slot by slot: row i sees key j iff they share a slot, i is below its slot's q_len, j below its kv_len and
+    `visible` holds for their local indices. Lengths from 0 to the slot size (q > kv, q < kv, empty slots), every
+    window from 0 to past the slot, causal or not."""
     block, size = 32, 1 << shift
     rng = np.random.default_rng(shift)
     offs = np.arange(block)
@@ -693,7 +696,8 @@ def test_packed_visible_is_the_rule_per_slot(shift):
             for causal in (False, True):
                 got = torch.empty(block, block, dtype=torch.int32)
                 _packed_visible_kernel[(1,)](layout, got, 0 if window is None else window, BLOCK=block,
-                                             HAS_WINDOW=window is not None, CAUSAL=causal)
+                                             SHIFT=shift, HAS_WINDOW=window is not None, CAUSAL=causal,
+                                             BY_INTERVAL=by_interval)
                 rule = visible_torch(torch.from_numpy(loc)[:, None], torch.from_numpy(loc)[None, :],
                                      torch.from_numpy(q_len)[:, None], torch.from_numpy(kv_len)[:, None], window,
                                      causal).numpy()

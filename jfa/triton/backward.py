@@ -429,19 +429,6 @@ def _bwd_short_kernel(
 # Packed tiles: the whole backward in one program.
 
 
-@triton.jit
-def next_head(kv_head, in_group, group):
-    """(key/value head, place in its group) of the query head after one at (kv_head, in_group): counted over the
-    packed backward's head loop, where `head // group` and `head % group` divided by a run-time value at every
-    head (ptxas for sm_90 under triton 3.6, D 128: its loop 1,022 -> 998 SASS instructions). The packed forward
-    keeps its division, which also addresses the next head's L2 prefetch: counted, that prefetch either moved
-    after the next head's copies (where it gains nothing; tests/test_compiled.py failed) or took its own
-    addresses, as many instructions as the division (docs/performance-log.md)."""
-    in_group += 1
-    wraps = in_group == group
-    return kv_head + wraps.to(tl.int32), tl.where(wraps, 0, in_group)
-
-
 @kernel
 def _bwd_packed_kernel(
     Q, K, V, Out, DOut, DQ, DK, DV, RowMax, RowSum,
@@ -472,14 +459,13 @@ def _bwd_packed_kernel(
     r = pid * 0
     while t < n_tiles:
         t_next = next_tile(r, pid, nprog, n_tiles, counter, SCHEDULE)
-        _, loc, q_start, out_start, q_len, kv_start, kv_len, row_ok, key_ok = packed_layout(
+        slot, loc, q_start, out_start, q_len, kv_start, kv_len, row_ok, key_ok = packed_layout(
             pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets, BLOCK, SLOTS, False)
-        seen = packed_visible(loc, q_len, kv_len, row_ok, window, HAS_WINDOW, CAUSAL)
+        seen = packed_visible(slot, loc, q_len, kv_len, row_ok, key_ok, window, HAS_WINDOW, CAUSAL, False)
         dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
-        kv_head = n_heads * 0
-        in_group = n_heads * 0
         for head in range(n_heads):
+            kv_head = head // group
             if PREFETCH:
                 ahead = row_ok & (head + 1 < n_heads)
                 prefetch_rows(Q, q_start + loc, sq_t, head + 1, sq_h, sq_d, ahead, HEAD_DIM, BLOCK_D, INTERPRET)
@@ -511,14 +497,13 @@ def _bwd_packed_kernel(
             dv = mma_acc(tl.trans(rounded(p, DT, INTERPRET)), do, dv, INTERPRET)
             dk = mma_acc(tl.trans(ds), q, dk, INTERPRET)
             # After the group's last query head: write this key/value head's dk, dv and start over.
-            last = (loc * 0 + in_group) == group - 1  # a vector: the interpreter rejects scalar masks
+            last = (loc * 0 + head % group) == group - 1  # a vector: the interpreter rejects scalar masks
             tl.store(row_base(DK, kv_start + loc, sdk_t, kv_head, sdk_h)[:, None] + offs_d[None, :],
                      stored(dk * sm_scale, DT, INTERPRET), mask=(key_ok & last)[:, None] & d_ok[None, :])
             tl.store(row_base(DV, kv_start + loc, sdv_t, kv_head, sdv_h)[:, None] + offs_dv[None, :],
                      stored(dv, DT, INTERPRET), mask=(key_ok & last)[:, None] & dv_ok[None, :])
             dk = tl.where(last[:, None], 0.0, dk)
             dv = tl.where(last[:, None], 0.0, dv)
-            kv_head, in_group = next_head(kv_head, in_group, group)
         t = t_next
         r += 1
 

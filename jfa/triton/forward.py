@@ -352,18 +352,27 @@ def prefetch_rows(ptr, rows, stride_t, head, stride_h, stride_d, row_ok, DIM: tl
 
 
 @triton.jit
-def packed_visible(loc, q_len, kv_len, row_ok, window, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
-    """[BLOCK, BLOCK] block-diagonal visibility of a packed tile (rows × keys): each row's visible keys are one
-    interval of its own slot's (`visible_keys`, moved to tile key indices; empty for rows past q_len), so an
-    element costs two comparisons, where comparing slots, row and key bounds and `visible` cost four to seven
-    (ptxas for sm_90 under triton 3.6, head dim 128: the packed forward 2,224 -> 2,016 SASS instructions, 2,720
-    -> 2,032 with causal and window; docs/performance-log.md)."""
-    lo, hi = visible_keys(loc, q_len, kv_len, window, HAS_WINDOW, CAUSAL)
-    offs = tl.arange(0, loc.shape[0])  # a tile row's index, and a tile key's
-    slot_start = offs - loc
-    lo = slot_start + tl.maximum(lo, 0)
-    hi = tl.where(row_ok, slot_start + hi, lo)
-    return (offs[None, :] >= lo[:, None]) & (offs[None, :] < hi[:, None])
+def packed_visible(slot, loc, q_len, kv_len, row_ok, key_ok, window, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+                   BY_INTERVAL: tl.constexpr):
+    """[BLOCK, BLOCK] block-diagonal visibility of a packed tile (rows × keys), in one of two forms with the same
+    value. BY_INTERVAL: each row's visible keys are one interval of its own slot's (`visible_keys`, moved to tile
+    key indices; empty for rows past q_len), two comparisons an element. Otherwise per pair: same slot, row and
+    key in their sequences, and `visible`, four to seven. The forward takes the first (ptxas for sm_90 under
+    triton 3.6, D 128: 2,224 -> 2,016 SASS instructions; the tiny row's packed forward 0.655 -> 0.651 ms on the
+    H200), the backward the second (the first, with fewer instructions too, made its kernel 2.124 -> 2.162 ms;
+    docs/performance-log.md)."""
+    if BY_INTERVAL:
+        lo, hi = visible_keys(loc, q_len, kv_len, window, HAS_WINDOW, CAUSAL)
+        offs = tl.arange(0, loc.shape[0])  # a tile row's index, and a tile key's
+        slot_start = offs - loc
+        lo = slot_start + tl.maximum(lo, 0)
+        hi = tl.where(row_ok, slot_start + hi, lo)
+        seen = (offs[None, :] >= lo[:, None]) & (offs[None, :] < hi[:, None])
+    else:
+        same = (slot[:, None] == slot[None, :]) & row_ok[:, None] & key_ok[None, :]
+        seen = same & visible(loc[:, None], loc[None, :], q_len[:, None], kv_len[:, None], window, HAS_WINDOW,
+                              CAUSAL)
+    return seen
 
 
 @triton.jit
@@ -448,7 +457,7 @@ def _fwd_packed_tile(
     offs_d, offs_dv, d_ok, dv_ok = head_dim_lanes(HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
     slot, loc, q_start, out_start, q_len, kv_start, kv_len, row_ok, key_ok = packed_layout(
         pack_seqs, pack_shift, t, q_offsets, out_offsets, kv_offsets, BLOCK, SLOTS, True)
-    seen = packed_visible(loc, q_len, kv_len, row_ok, window, HAS_WINDOW, CAUSAL)
+    seen = packed_visible(slot, loc, q_len, kv_len, row_ok, key_ok, window, HAS_WINDOW, CAUSAL, True)
     if FLAG_PER_HEAD:  # noqa: SIM108 - constexpr branches, kept as statements for the Triton frontend
         bad = 0
     else:
