@@ -37,13 +37,14 @@ key block's dK and dV sum over the group's heads, whose dQs could not all stay i
 sequences keep the two passes. Like packing, the choice depends on a sequence's own lengths only.
 
 Tiny sequences are packed: a sequence with 0 < max(q_len, kv_len) <= pack_block goes into a packed tile
-(pack_block × pack_block) of slot size S = 16, 32, ... (the smallest power of two >= 16 holding both of
+(pack_block × pack_block) of slot size S = 8, 16, 32, ... (the smallest power of two >= 8 holding both of
 its lengths); a tile holds pack_block // S sequences of the same S, each at rows and keys
-[slot·S, slot·S + S) of the tile (block-diagonal mask). Slots are 16-aligned (the MMA's K granularity),
-and the class S depends on the sequence's own lengths only, so a sequence's arithmetic is the same in
-any slot, alone or in a batch (see `jfa.softmax.chunked_row_sum`). 32k sequences of length <= 32 become
-~12k tiles of 64 (each program doing every head of its tile in a software-pipelined loop) rather than 32k
-mostly-empty ones, and one program does the whole backward of a packed tile.
+[slot·S, slot·S + S) of the tile (block-diagonal mask). The class S depends on the sequence's own lengths
+only, so a sequence's arithmetic is the same in any slot, alone or in a batch: its products sum in the
+same MMA K steps wherever it sits (see `PACK_ALIGN`), and its row sums by chunks
+(`jfa.softmax.chunked_row_sum`). 32k sequences of length <= 32 become ~11k tiles of 64 (each program
+doing every head of its tile in a software-pipelined loop) rather than 32k mostly-empty ones, and one
+program does the whole backward of a packed tile.
 
 Everything is vectorised numpy over sequences and blocks (B = 70,000 sequences take milliseconds); no
 grid axis ever exceeds 65,535 because the kernels are persistent over a 1-D grid.
@@ -70,7 +71,12 @@ STATIC, DYNAMIC, GRID = 0, 1, 2
 # dealing balances worse (`zigzag_assignment`'s makespan with that tile 0.5-0.8x the cost: +0.5-1.6%).
 HEAD_MAJOR_MIN_RUN = 16
 SCHEDULES = {"static": STATIC, "dynamic": DYNAMIC, "grid": GRID}
-PACK_ALIGN = 16  # packed slots start at multiples of this (the MMA's reduction granularity)
+# Packed slots start at multiples of this, so no slot straddles the MMA's 16-key K step (bf16/fp16): a row's
+# products anywhere within one K step sum to the same bits, split over two steps they do not
+# (scripts/mma_position_probe.py on the H200, 2026-12-05, Triton tl.dot on wgmma, 100 draws a case: lengths 2-16
+# at 20 offsets inside a step all bitwise equal; 6 cases spanning two steps equal in no draw). Slots of 8 pack
+# the tiny bench row's sequences of <= 8 rows eight to a 64-row tile instead of four (12,282 -> 11,258 tiles).
+PACK_ALIGN = 8
 PACK_SHIFT = PACK_ALIGN.bit_length() - 1
 
 
@@ -221,7 +227,7 @@ def key_tiles(q_lens, kv_lens, seqs, block_n: int, block_m: int, window: int | N
 
 
 def slot_shift(q_lens, kv_lens) -> np.ndarray:
-    """log2 of the packed slot size of each sequence: the smallest power of two >= 16 >= both lengths."""
+    """log2 of the packed slot size of each sequence: the smallest power of two >= PACK_ALIGN >= both lengths."""
     longest = np.maximum(np.maximum(_as_int64(q_lens), _as_int64(kv_lens)), PACK_ALIGN)
     shift = np.ceil(np.log2(longest.astype(np.float64))).astype(np.int64)
     shift += (np.left_shift(1, shift) < longest)  # guard against log2 rounding

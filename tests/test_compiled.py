@@ -200,7 +200,7 @@ def test_against_a_revision_exits_by_the_verdict(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.endswith(f"{n_quick} variants: all the same TTGIR as HEAD\n")
     packed = repo / "jfa" / "triton" / "forward.py"
     text = packed.read_text()
-    assert text.count("l = chunked_row_sum(p, BLOCK, BLOCK, 16)") == 1
+    assert text.count("l = chunked_row_sum(p, BLOCK, BLOCK, BLOCK // SLOTS)") == 1
     packed.write_text(text.replace("l = chunked_row_sum(", "l = 2.0 * chunked_row_sum("))
     assert compiled.main(["--against", "HEAD", "--quick", "--jobs", "2"]) == 1
     out = capsys.readouterr().out

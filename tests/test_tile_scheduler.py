@@ -154,7 +154,7 @@ def test_pack_tiles():
         assert (row[64 // slot:] == -1).all(), "no slot beyond the tile"
         for s in used[used >= 0]:
             longest = max(int(q[s]), int(kv[s]))
-            assert longest <= slot and (slot == 16 or longest > slot // 2), "the smallest slot class that fits"
+            assert longest <= slot and (slot == ts.PACK_ALIGN or longest > slot // 2), "the smallest slot class"
     assert table.n_tiles == table.n_groups
     # What the packed forward reads: each PACK_ALIGN rows' own sequence, the slot's entry repeated over its rows.
     rows = table.row_seqs()

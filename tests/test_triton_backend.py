@@ -194,8 +194,8 @@ def test_matches_reference(case):
 @needs_interpreter
 @pytest.mark.parametrize("seed", [12, 13])
 def test_packed_tiles_of_64_rows(seed, monkeypatch):
-    """Packed tiles of 64 rows, as the H200's packed forward and its D <= 64 packed backward have them: four
-    slots of 16, two of 32, one of 64, so a tile's slot entries and its 16-row entries differ
+    """Packed tiles of 64 rows, as the H200's packed forward and its D <= 64 packed backward have them: eight
+    slots of 8, four of 16, two of 32, one of 64, so a tile's slot entries and its 8-row entries differ
     (`PackTable.row_seqs`, which the forward reads; the backward reads the slot entries), unlike SMALL_BLOCKS'
     32-row tiles, where a backward given the row table would read the same sequences. Both against the
     reference, on lengths drawn over every slot class (a few of each, so most tiles hold several)."""
@@ -205,8 +205,9 @@ def test_packed_tiles_of_64_rows(seed, monkeypatch):
     monkeypatch.setattr(backend, "_config_override",
                         dataclasses.replace(backend.SMALL_BLOCKS, packed_fwd=tile, packed_bwd=tile))
     rng = np.random.default_rng(seed)
-    longest = np.repeat([16, 32, 64], 4)  # the slot classes, four sequences each: q_len in the class, kv_len <= it
-    q_lens = [int(rng.integers(n // 2 + 1 if n > 16 else 1, n + 1)) for n in longest]
+    # The slot classes, four sequences each: q_len in the class, kv_len <= it.
+    longest = np.repeat([n for n in (8, 16, 32, 64) if n >= ts.PACK_ALIGN], 4)
+    q_lens = [int(rng.integers(n // 2 + 1 if n > ts.PACK_ALIGN else 1, n + 1)) for n in longest]
     kv_lens = [int(rng.integers(1, n + 1)) for n in longest]
     check_against_reference(q_lens, kv_lens, 2, 1, 16, 16, seed=seed, causal=True)
 
@@ -331,8 +332,9 @@ def test_a_nan_inside_one_sequence_stays_in_it(tiles, names, flag_per_head, seed
     The verify suite's `isolation` and `isolation_grad` invariants check the same on the fuzzer's cases."""
     monkeypatch.setattr(triton_backend, "FLAG_PER_HEAD", flag_per_head)
     gen = torch.Generator().manual_seed(seed)
-    # Packed: 3-5 sequences of <= 16 rows, two per 32-row tile (SMALL_BLOCKS); ordinary: longer than 32.
-    low, high = (1, 17) if tiles == "packed" else (33, 70)
+    # Packed: 3-5 sequences of one slot size (<= PACK_ALIGN rows), several per 32-row tile (SMALL_BLOCKS);
+    # ordinary: longer than 32.
+    low, high = (1, ts.PACK_ALIGN + 1) if tiles == "packed" else (33, 70)
     lens = torch.randint(low, high, (int(torch.randint(3, 6, (1,), generator=gen)),), generator=gen).tolist()
     q, k, v, q_off, kv_off, dout = make_inputs(lens, lens, 2, 2, 16, 16, seed=seed)
     base = run_triton(q, k, v, q_off, kv_off, dout)
@@ -783,7 +785,7 @@ MIN_ORDINARY_REGISTERS = 145
 @pytest.mark.parametrize("block_d", [16, 32, 64, 128, 256])
 def test_shipped_configs_are_well_formed(block_d):
     """Every shipped config: power-of-two blocks of at least 16 (tl.dot's smallest tile), square packed tiles
-    (slots are 16-aligned on both sides), and, for the ordinary kernels, no more programs per SM than its
+    (a slot's rows and keys are the same tile indices), and, for the ordinary kernels, no more programs per SM than its
     65,536 registers hold: static zigzag dealing assumes every program of the persistent grid runs at once."""
     from jfa.triton.backend import gpu_config
 

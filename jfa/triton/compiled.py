@@ -76,7 +76,7 @@ def role_variants(role: str, kcfg, d: int, dv: int, dtype: str = "bf16", causal:
         label, extra = f"{label} partial={int(partial)}", dict(DQ_PARTIAL=partial)
     if redo:
         label = f"{label}_redo"
-    tiles = (dict(BLOCK=kcfg.block_m, SLOTS=kcfg.block_m // 16) if role.startswith("packed")
+    tiles = (dict(BLOCK=kcfg.block_m, SLOTS=kcfg.block_m // backend.ts.PACK_ALIGN) if role.startswith("packed")
              else dict(BLOCK_M=kcfg.block_m, BLOCK_N=kcfg.block_n))
     # (getattr: the compared revision's backend may predate FLAG_PER_HEAD or PREFETCH_NEXT_HEAD; its kernels then
     # take no such constexpr.)

@@ -424,7 +424,7 @@ def _fwd_packed_head(
         p = block_probs(s, m, scale_log2)
     else:
         p, m = block_softmax(s, scale_log2)
-        l = chunked_row_sum(p, BLOCK, BLOCK, 16)
+        l = chunked_row_sum(p, BLOCK, BLOCK, BLOCK // SLOTS)  # chunks of a slot's alignment
     acc = slot_mma(rounded(p, DT, INTERPRET), v, slot, SLOTS, ISOLATE, INTERPRET)
     out, lse = finalize(acc, m, l, scale_abs)
     tl.store(row_base(Out, out_start + loc, so_t, head, so_h)[:, None] + offs_dv[None, :],
