@@ -165,9 +165,10 @@ SMALL_BLOCKS = BackendConfig(
 # (`jfa.triton.forward._fwd_packed_head`): stock triton takes a row vector carried over the heads (the tiny bench
 # row's forward kernels 0.751 ms, against 0.792 with one value per head), fbtriton one value per head (1.132 ms
 # against 2.209: the row vector took its spill from 444 to 948 bytes); H200, 2026-12-03. Whether each head asks
-# L2 for the next head's rows (`jfa.triton.forward.prefetch_rows`): stock triton does (0.748 -> 0.703 ms; the
-# packed backward 2.215 -> 2.151), fbtriton not (its forward's spill 236 -> 272 bytes, the tlx bench row's
-# forward 1.14 -> 1.18 ms of device time; the backward not measured there); H200, 2026-12-04.
+# L2 for the next head's rows (`jfa.triton.forward.prefetch_rows`; the forward's last head for the next tile's
+# first): stock triton does (0.748 -> 0.703 ms, the next tile 0.648 -> 0.637 on 2026-12-05; the packed backward
+# 2.215 -> 2.151), fbtriton not (its forward's spill 236 -> 272 bytes, the tlx bench row's forward 1.14 -> 1.18 ms
+# of device time; the backward not measured there); H200, 2026-12-04.
 FBTRITON = importlib.util.find_spec("triton.language.extra.tlx") is not None
 FLAG_PER_HEAD = FBTRITON
 PREFETCH_NEXT_HEAD = not FBTRITON
