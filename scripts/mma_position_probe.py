@@ -8,7 +8,8 @@ forward's P·V. Row r of P has nonzeros only in keys [off, off + L); every other
 values (another sequence's, at weight exactly 0). Each draw compares every row's result with the same products at
 keys [0, L), bit for bit. Packed slots shorter than the MMA's 16-key step keep a sequence's bits whatever its
 neighbours only if the within-step cases print all equal; packing sequences back to back needs the spanning ones
-too (a sequence's keys split over two steps).
+too (a sequence's keys split over two steps). On the H200 (2026-12-05) the first were all equal and the second
+equal in no draw: hence `jfa.tile_scheduler.PACK_ALIGN` 8.
 """
 
 import sys
@@ -20,7 +21,7 @@ import triton.language as tl
 BLOCK, DIM = 64, 128
 WITHIN_STEP = ((16, (16, 32, 48)), (8, (8, 16, 24, 40, 56)), (4, (4, 8, 12, 20)), (2, (2, 6, 14)), (12, (4, 20)),
                (3, (1, 5, 13)))
-SPANNING_STEPS = ((12, (8, 10)), (16, (8, 4)), (6, (13, 29)))  # not run on the H200 yet (2026-12-05)
+SPANNING_STEPS = ((12, (8, 10)), (16, (8, 4)), (6, (13, 29)))  # H200 2026-12-05: equal in no draw
 
 
 @triton.jit
