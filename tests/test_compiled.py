@@ -137,8 +137,8 @@ def test_packed_kernels_ask_l2_for_the_next_heads_rows():
     and v in the forward, and those of the program's next tile's first head, q, dO and O in the backward, three
     predicated PTX prefetches each in the compiled sm_90 kernel (the forward six), in the basic block of the
     loop's first matrix product, before it; none in the forward's redo launch, and none at all under fbtriton
-    (`PREFETCH_NEXT_HEAD`). A Triton that dropped the side-effecting
-    inline assembly, or an edit that moved it out of the loop, fails here."""
+    (`PREFETCH_NEXT_HEAD`). A Triton that dropped the side-effecting inline assembly, or an edit that moved it
+    out of the loop, fails here."""
     pytest.importorskip("triton.backends.nvidia")
     from jfa.triton.backend import PREFETCH_NEXT_HEAD
 

@@ -785,8 +785,9 @@ MIN_ORDINARY_REGISTERS = 145
 @pytest.mark.parametrize("block_d", [16, 32, 64, 128, 256])
 def test_shipped_configs_are_well_formed(block_d):
     """Every shipped config: power-of-two blocks of at least 16 (tl.dot's smallest tile), square packed tiles
-    (a slot's rows and keys are the same tile indices), and, for the ordinary kernels, no more programs per SM than its
-    65,536 registers hold: static zigzag dealing assumes every program of the persistent grid runs at once."""
+    (a slot's rows and keys are the same tile indices), and, for the ordinary kernels, no more programs per SM
+    than its 65,536 registers hold: static zigzag dealing assumes every program of the persistent grid runs at
+    once."""
     from jfa.triton.backend import gpu_config
 
     config = gpu_config(block_d)
