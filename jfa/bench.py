@@ -7,28 +7,29 @@ Rows (DESIGN.md "Reference figures"; lengths drawn with a fixed seed, q and kv l
   tiny       32768 × U[1, 32], H 4          (memory-bound: GB/s of compulsory traffic is reported)
   broadcast  q 128 shared, kv GEM-like (1024 × U[400, 1000)), H 4
 
-Every backend named by --backends (default: triton, tlx, torch-varlen, flex; unavailable ones are skipped
-with the reason) runs through jfa.attention, so each includes the op's validation and host work. Timings
-are triton.testing.do_bench means (warm-up first; the first calls, which compile and autotune, are made
-before timing). Reported: forward time, forward+backward time, backward = (fwd+bwd) − fwd, TFLOP/s that
-count only visible (query, key) pairs — forward 4·pairs·D per head, backward 2.5× that — the ratio of
-each to torch-varlen (FlashAttention-2; the backward's moves with the forward's timing too, the forward+
-backward's is one timing: `compare_with_peer`), GB/s of compulsory traffic (inputs read and outputs written
-once: q, k, v, out, lse forward; q, k, v, out, dout, lse read and dq, dk, dv written backward) and that
-rate as a share of the device's copy rate (a 1 GiB device-to-device copy timed at the start of the run),
-per row the memory roofline (the traffic's time at the copy rate, and the ratio to torch-varlen of a kernel
-that took no longer: beyond it only by moving bytes faster than a copy does), peak extra memory
-(torch.cuda.max_memory_allocated minus inputs and outputs), the device time of the forward and of the
+Every backend named by --backends (default: triton, tlx, torch-varlen, flex; unavailable ones are skipped with
+the reason) runs through jfa.attention, so each includes the op's validation and host work. Timings are
+triton.testing.do_bench means (warm-up first; the first calls, which compile and autotune, are made before
+timing). Reported: forward time; backward time, the backward alone (torch.autograd.grad over one forward's
+retained graph, as FlashAttention's `benchmark_backward` times it; runs before 2026-12-05 took (fwd+bwd) − fwd
+instead, which moved with the forward's timing); forward+backward time (one timing of both passes as a training
+step takes them); TFLOP/s that count only visible (query, key) pairs — forward 4·pairs·D per head, backward 2.5×
+that — the ratio of each to torch-varlen (FlashAttention-2), GB/s of compulsory traffic (inputs read and outputs
+written once: q, k, v, out, lse forward; q, k, v, out, dout, lse read and dq, dk, dv written backward) and that
+rate as a share of the device's copy rate (a 1 GiB device-to-device copy timed at the start of the run), per row
+the memory roofline (the traffic's time at the copy rate, and the ratio to torch-varlen of a kernel that took no
+longer: beyond it only by moving bytes faster than a copy does), peak extra memory
+(torch.cuda.max_memory_allocated minus inputs and outputs), the device time of the forward, the backward and the
 forward+backward (their kernels and copies, torch.profiler over five back-to-back calls after a warm-up call and
-a first recorded one, left out) and the GPU's idle time per call among them (what it waited for the host: the
-op's one wait for the offsets, then its host work until the launch; in the forward+backward also the backward's
-host work and the autograd engine's, where they outlast the forward's kernels), and the mean SM clock of each
-timing (NVML): under sustained load the H200 lowers its clock, more for a kernel that keeps the tensor cores
-busier, so a time is read beside its clock.
+a first recorded one, left out) and the GPU's idle time per call among them (what it waited for the host: in the
+forward the op's one wait for the offsets, then its host work until the launch; in the backward its host work and
+the autograd engine's, where they outlast the previous call's kernels), and the mean SM clock of each timing
+(NVML): under sustained load the H200 lowers its clock, more for a kernel that keeps the tensor cores busier, so
+a time is read beside its clock.
 --json writes everything with the environment (GPU, driver, CUDA, torch, triton versions, date).
 `python -m jfa.bench --markdown RUN.json [RUN.json ...]` prints such runs as one markdown table (the README's),
 each row's backends run by run; with several runs, a run's records carry its footnote mark, and the footnotes
-name each run's triton, date and copy rate (no GPU needed).
+name each run's triton, date, copy rate and how it timed the backward (no GPU needed).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import numpy as np
 ROWS = ("gem", "long", "skew", "tiny", "broadcast")
 MEMORY_BOUND_ROWS = ("tiny",)  # their tables give GB/s of compulsory traffic beside TFLOP/s
 DEFAULT_BACKENDS = ("triton", "tlx", "torch-varlen", "flex")
+PASSES = ("fwd", "bwd", "fwdbwd")  # each timed on its own: forward, backward alone, forward+backward
 
 
 def lengths(row: str, seed: int = 0):
@@ -192,14 +194,12 @@ def bench_row(row: str, backends, dtype, head_dim: int, causal: bool, window, re
 
 def compare_with_peer(results: list[dict]) -> None:
     """Each timed record's ratios to torch-varlen's, of one row of one run (`results`): the forward's, the
-    backward's, the forward+backward's and the rooflines'. The backward is the difference of two timings, so
-    anything that slows the forward's timing alone raises its ratio; the forward+backward's, one timing of the
-    two passes as a training step takes them, is the ratio such a change cannot flatter."""
+    backward's, the forward+backward's and the rooflines'."""
     peer = next((r for r in results if r["backend"] == "torch-varlen" and "bwd_ms" in r), None)
     for r in results:
         if peer and "bwd_ms" in r:
             r["fwd_vs_varlen"] = peer["fwd_ms"] / r["fwd_ms"]
-            r["bwd_vs_varlen"] = peer["bwd_ms"] / r["bwd_ms"] if r["bwd_ms"] > 0 else float("nan")
+            r["bwd_vs_varlen"] = peer["bwd_ms"] / r["bwd_ms"]
             r["fwdbwd_vs_varlen"] = peer["fwdbwd_ms"] / r["fwdbwd_ms"]
             # The most any kernel could reach against FA2 here if the traffic alone set the time.
             r["fwd_roofline_vs_varlen"] = peer["fwd_ms"] / r["fwd_floor_ms"]
@@ -207,14 +207,11 @@ def compare_with_peer(results: list[dict]) -> None:
 
 
 def derive(record: dict, fwd_bytes: float, bwd_bytes: float, copy_gbps: float) -> None:
-    """A timed record's derived figures: backward = (fwd+bwd) - fwd, TFLOP/s, GB/s, and that GB/s as a share
-    of the device's copy rate, with the time the compulsory traffic alone takes at that rate (floor)."""
-    record["bwd_ms"] = record["fwdbwd_ms"] - record["fwd_ms"]
-    record["fwd_tflops"] = record["fwd_flops"] / record["fwd_ms"] * 1e-9
-    record["bwd_tflops"] = record["bwd_flops"] / record["bwd_ms"] * 1e-9 if record["bwd_ms"] > 0 else float("nan")
-    record["fwd_gbps"] = fwd_bytes / record["fwd_ms"] * 1e-6
-    record["bwd_gbps"] = bwd_bytes / record["bwd_ms"] * 1e-6 if record["bwd_ms"] > 0 else float("nan")
+    """A timed record's derived figures: TFLOP/s, GB/s, and that GB/s as a share of the device's copy rate,
+    with the time the compulsory traffic alone takes at that rate (floor)."""
     for key, nbytes in (("fwd", fwd_bytes), ("bwd", bwd_bytes)):
+        record[f"{key}_tflops"] = record[f"{key}_flops"] / record[f"{key}_ms"] * 1e-9
+        record[f"{key}_gbps"] = nbytes / record[f"{key}_ms"] * 1e-6
         record[f"{key}_copy_share"] = record[f"{key}_gbps"] / copy_gbps
         record[f"{key}_floor_ms"] = nbytes / copy_gbps * 1e-6
 
@@ -322,7 +319,8 @@ def _device_profile(fn, calls: int = 5) -> tuple[float, float]:
 
 
 def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: int) -> None:
-    """Times forward and forward+backward of one backend into `record` (ms, peak extra bytes)."""
+    """Times the forward, the backward and the forward+backward of one backend into `record` (ms, peak extra
+    bytes)."""
     import torch
 
     import jfa
@@ -334,11 +332,18 @@ def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: in
         with torch.no_grad():
             return jfa.attention(q, k, v, q_off, kv_off, backend=name, **kwargs)
 
+    def backward_of_one_forward():
+        """The backward alone: gradients over one forward's graph, kept for the next call (retain_graph)."""
+        out = jfa.attention(*leaves, q_off, kv_off, backend=name, **kwargs)
+        return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
     def forward_backward():
         out = jfa.attention(*leaves, q_off, kv_off, backend=name, **kwargs)
         return torch.autograd.grad(out, leaves, dout)
 
-    for fn, key, out_bytes in ((forward, "fwd", outputs), (forward_backward, "fwdbwd", outputs + grads)):
+    for key, make, out_bytes in (("fwd", lambda: forward, outputs), ("bwd", backward_of_one_forward, grads),
+                                 ("fwdbwd", lambda: forward_backward, outputs + grads)):
+        fn = make()  # the backward's forward is made here, so its graph's tensors count in `base` below
         fn()  # compile, autotune, cache the schedule
         fn()
         torch.cuda.synchronize()
@@ -355,8 +360,8 @@ def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: in
 
 
 def _measured(r: dict) -> bool:
-    """Whether record r holds both timings (a skipped or failed backend's holds its reason instead)."""
-    return "fwd_ms" in r and "fwdbwd_ms" in r
+    """Whether record r holds its timings (a skipped or failed backend's holds its reason instead)."""
+    return all(f"{key}_ms" in r for key in PASSES)
 
 
 def _print_record(r):
@@ -370,7 +375,7 @@ def _print_record(r):
 def print_table(results) -> None:
     head = (f"{'row':9s} {'backend':13s} {'fwd ms':>8s} {'TF/s':>6s} {'xFA2':>5s} {'bwd ms':>8s} {'TF/s':>6s} "
             f"{'xFA2':>5s} {'f+b xFA2':>8s} {'fwd GB/s':>8s} {'bwd GB/s':>8s} {'copy% f/b':>9s} "
-            f"{'extra MiB f/fb':>15s} {'dev ms f/fb':>13s} {'idle f/fb':>11s} {'MHz f/fb':>9s}")
+            f"{'extra MiB f/fb':>15s} {'dev ms f/b/fb':>19s} {'idle f/b/fb':>17s} {'MHz f/b/fb':>14s}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -383,14 +388,12 @@ def print_table(results) -> None:
 
         extra = f"{r['fwd_extra_bytes'] / 2**20:.0f}/{r['fwdbwd_extra_bytes'] / 2**20:.0f}"
         copy = f"{100 * r['fwd_copy_share']:.0f}/{100 * r['bwd_copy_share']:.0f}"
-        clocks = "/".join("-" if r.get(f"{key}_sm_mhz") is None else f"{r[f'{key}_sm_mhz']:.0f}"
-                          for key in ("fwd", "fwdbwd"))
-        device = f"{r['fwd_device_ms']:.3f}/{r['fwdbwd_device_ms']:.3f}"
-        idle = f"{r['fwd_idle_ms']:.3f}/{r['fwdbwd_idle_ms']:.3f}"
+        device, idle, clocks = (_per_pass(r, field, digits, "/") for field, digits in
+                                (("device_ms", 3), ("idle_ms", 3), ("sm_mhz", 0)))
         print(f"{r['row']:9s} {r['backend']:13s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:6.1f} {ratio('fwd_vs_varlen')} "
               f"{r['bwd_ms']:8.3f} {r['bwd_tflops']:6.1f} {ratio('bwd_vs_varlen')} "
               f"{ratio('fwdbwd_vs_varlen', width=8)} {r['fwd_gbps']:8.0f} {r['bwd_gbps']:8.0f} {copy:>9s} "
-              f"{extra:>15s} {device:>13s} {idle:>11s} {clocks:>9s}")
+              f"{extra:>15s} {device:>19s} {idle:>17s} {clocks:>14s}")
 
 
 def print_rooflines(results, copy_gbps: float) -> None:
@@ -405,6 +408,12 @@ def print_rooflines(results, copy_gbps: float) -> None:
                   f"FA2), bwd >= {r['bwd_floor_ms']:.3f} ms (at most {r['bwd_roofline_vs_varlen']:.2f}x FA2)")
 
 
+def _per_pass(r: dict, field: str, digits: int, sep: str = " / ") -> str:
+    """Record r's `field` (device_ms, idle_ms, sm_mhz) of each pass, '-' where it was not measured (no NVML for
+    the clock; a run before the backward had its own timing, 2026-12-05)."""
+    return sep.join("-" if r.get(f"{key}_{field}") is None else f"{r[f'{key}_{field}']:.{digits}f}" for key in PASSES)
+
+
 def _markdown_line(r: dict, label: str) -> str:
     """One table line of record r (the row's name only on its first line: `label` is the backend's)."""
     def rate(key):
@@ -414,24 +423,20 @@ def _markdown_line(r: dict, label: str) -> str:
     def ratio(key):
         return f"{r[key]:.2f}" if key in r else "-"
 
-    def pair(key, digits=3):
-        return " / ".join("-" if r.get(f"{k}_{key}") is None else f"{r[f'{k}_{key}']:.{digits}f}"
-                          for k in ("fwd", "fwdbwd"))
-
     if not _measured(r):
         return f"| {label} | {r.get('skipped') or r.get('error')} |" + " |" * 9
     return (f"| {label} | {r['fwd_ms']:.3f} | {rate('fwd')} | {ratio('fwd_vs_varlen')} | "
             f"{r['bwd_ms']:.3f} | {rate('bwd')} | {ratio('bwd_vs_varlen')} | {ratio('fwdbwd_vs_varlen')} | "
-            f"{pair('device_ms')} | {pair('idle_ms')} | {pair('sm_mhz', 0)} |")
+            f"{_per_pass(r, 'device_ms', 3)} | {_per_pass(r, 'idle_ms', 3)} | {_per_pass(r, 'sm_mhz', 0)} |")
 
 
 def markdown_table(runs: list[dict]) -> str:
     """The runs (as --json writes them) as one markdown table: per row of ROWS, every run's records in run order;
     with several runs, each record marked with its run's footnote (¹, ², ...) and `triton` under fbtriton named
-    so; then the footnotes."""
+    so; then the footnotes (each says how its run timed the backward)."""
     marks = "¹²³⁴⁵⁶⁷⁸⁹" if len(runs) > 1 else ""
     lines = ["| row | backend | fwd ms | fwd TF/s | fwd ×FA2 | bwd ms | bwd TF/s | bwd ×FA2 | fwd+bwd ×FA2 "
-             "| dev ms fwd / fwd+bwd | idle fwd / fwd+bwd | MHz fwd / fwd+bwd |",
+             "| dev ms fwd / bwd / fwd+bwd | idle fwd / bwd / fwd+bwd | MHz fwd / bwd / fwd+bwd |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for run in runs:  # the ratios again, so that a run written before a ratio was added gets it too
         for row in ROWS:
@@ -448,8 +453,10 @@ def markdown_table(runs: list[dict]) -> str:
     lines.append("")
     for i, run in enumerate(runs):
         env = run["environment"]
+        backward = ("the backward timed alone" if any("bwd_device_ms" in r for r in run["results"])
+                    else "the backward (fwd+bwd) − fwd")
         lines.append(f"{marks[i] + ' ' if marks else ''}{env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
-                     f"run started {env['date']}, copy rate {run['copy_gbps']:,.0f} GB/s.")
+                     f"run started {env['date']}, copy rate {run['copy_gbps']:,.0f} GB/s, {backward}.")
     return "\n".join(lines)
 
 
@@ -485,11 +492,11 @@ def main(argv=None) -> int:
     print(f"{env['gpu']}  driver {env['driver']}  CUDA {env['cuda']}  torch {env['torch']}  triton {env['triton']}  "
           f"{args.dtype} D={args.head_dim} causal={args.causal} window={args.window}", flush=True)
     print("TFLOP/s count visible pairs only: forward 4·pairs·D per head, backward 2.5x that; "
-          "backward time = (fwd+bwd) - fwd; xFA2 = torch-varlen time / this time; dev ms f/fb = the kernels and "
-          "copies of a forward and of a forward+backward (profiler); idle f/fb = the GPU's idle time per call "
-          "between them over back-to-back calls (profiler timeline: what it waited for the host); MHz f/fb = the "
-          "mean SM clock during the forward and the forward+backward timings (NVML; '-' without pynvml).",
-          flush=True)
+          "backward time = the backward alone (autograd.grad over one forward's retained graph); "
+          "xFA2 = torch-varlen time / this time; dev ms f/b/fb = the kernels and copies of a forward, a backward "
+          "and a forward+backward (profiler); idle f/b/fb = the GPU's idle time per call between them over "
+          "back-to-back calls (profiler timeline: what it waited for the host); MHz f/b/fb = the mean SM clock "
+          "during each timing (NVML; '-' without pynvml).", flush=True)
     copy_gbps = copy_rate_gbps()
     results = []
     for row in args.rows:

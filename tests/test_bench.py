@@ -9,23 +9,25 @@ from jfa import bench
 
 
 def test_derived_figures_and_table(capsys):
-    """Backward is the difference of the two timings; rates follow from them; both timings' device and idle
-    times and SM clocks (one not read) reach the table."""
-    record = {"row": "gem", "backend": "triton", "fwd_flops": 4e12, "bwd_flops": 1e13, "fwd_ms": 2.0,
-              "fwdbwd_ms": 7.0, "fwd_device_ms": 1.625, "fwd_idle_ms": 0.25, "fwdbwd_device_ms": 6.5,
-              "fwdbwd_idle_ms": 0.375, "fwd_extra_bytes": 2**20,
-              "fwdbwd_extra_bytes": 3 * 2**20, "fwd_sm_mhz": 1851.4, "fwdbwd_sm_mhz": None}
+    """Rates follow from each pass's own timing (the backward's is not the difference of the other two: 4 ms here,
+    where fwd+bwd − fwd is 5); the three timings' device and idle times and SM clocks (one not read) reach the
+    table."""
+    record = {"row": "gem", "backend": "triton", "fwd_flops": 4e12, "bwd_flops": 8e12, "fwd_ms": 2.0, "bwd_ms": 4.0,
+              "fwdbwd_ms": 7.0, "fwd_device_ms": 1.625, "fwd_idle_ms": 0.25, "bwd_device_ms": 3.875,
+              "bwd_idle_ms": 0.0625, "fwdbwd_device_ms": 6.5, "fwdbwd_idle_ms": 0.375, "fwd_extra_bytes": 2**20,
+              "bwd_extra_bytes": 2**21, "fwdbwd_extra_bytes": 3 * 2**20, "fwd_sm_mhz": 1851.4, "bwd_sm_mhz": 1790.2,
+              "fwdbwd_sm_mhz": None}
     bench.derive(record, fwd_bytes=4e9, bwd_bytes=1e10, copy_gbps=4000.0)
-    assert record["bwd_ms"] == 5.0
+    assert record["bwd_ms"] == 4.0
     assert math.isclose(record["fwd_tflops"], 2000.0) and math.isclose(record["bwd_tflops"], 2000.0)
-    assert math.isclose(record["fwd_gbps"], 2000.0) and math.isclose(record["bwd_gbps"], 2000.0)
-    # At 4000 GB/s the 4 GB forward traffic takes 1 ms and the 10 GB backward traffic 2.5 ms: half the rate.
+    assert math.isclose(record["fwd_gbps"], 2000.0) and math.isclose(record["bwd_gbps"], 2500.0)
+    # At 4000 GB/s the 4 GB forward traffic takes 1 ms and the 10 GB backward traffic 2.5 ms.
     assert math.isclose(record["fwd_floor_ms"], 1.0) and math.isclose(record["bwd_floor_ms"], 2.5)
-    assert math.isclose(record["fwd_copy_share"], 0.5) and math.isclose(record["bwd_copy_share"], 0.5)
+    assert math.isclose(record["fwd_copy_share"], 0.5) and math.isclose(record["bwd_copy_share"], 0.625)
     bench.print_table([record])
     line = capsys.readouterr().out.splitlines()[-1].split()
-    assert line[:2] == ["gem", "triton"] and line[2] == "2.000" and line[5] == "5.000"
-    assert line[-3:] == ["1.625/6.500", "0.250/0.375", "1851/-"] and line[-5] == "50/50"
+    assert line[:2] == ["gem", "triton"] and line[2] == "2.000" and line[5] == "4.000"
+    assert line[-3:] == ["1.625/3.875/6.500", "0.250/0.062/0.375", "1851/1790/-"] and line[-5] == "50/62"
 
 
 def test_idle_time_is_the_uncovered_part_of_the_span():
@@ -87,57 +89,74 @@ def _run(triton_version: str, date: str, records: list[dict]) -> dict:
 
 
 def _timed(row: str, backend: str, fwd_ms: float, **extra) -> dict:
+    """A timed record: the backward twice the forward's time, the forward+backward three times, unless `extra`
+    says otherwise."""
     record = {"row": row, "backend": backend, "fwd_flops": 4e12, "bwd_flops": 1e13, "fwd_ms": fwd_ms,
-              "fwdbwd_ms": 3 * fwd_ms, "fwd_device_ms": fwd_ms - 0.1, "fwd_idle_ms": 0.05,
-              "fwdbwd_device_ms": 3 * fwd_ms - 0.2, "fwdbwd_idle_ms": 0.125, "fwd_extra_bytes": 0,
-              "fwdbwd_extra_bytes": 0, "fwd_sm_mhz": 1805.4, "fwdbwd_sm_mhz": None, **extra}
+              "bwd_ms": 2 * fwd_ms, "fwdbwd_ms": 3 * fwd_ms, "fwd_device_ms": fwd_ms - 0.1, "fwd_idle_ms": 0.05,
+              "bwd_device_ms": 2 * fwd_ms - 0.1, "bwd_idle_ms": 0.075, "fwdbwd_device_ms": 3 * fwd_ms - 0.2,
+              "fwdbwd_idle_ms": 0.125, "fwd_extra_bytes": 0, "bwd_extra_bytes": 0, "fwdbwd_extra_bytes": 0,
+              "fwd_sm_mhz": 1805.4, "bwd_sm_mhz": 1790.0, "fwdbwd_sm_mhz": None, **extra}
     bench.derive(record, fwd_bytes=4e9, bwd_bytes=1e10, copy_gbps=4250.0)
     return record
 
 
-def test_the_forward_backward_ratio_is_one_timing(capsys):
-    """Against the run's torch-varlen: the backward's ratio is of a difference of two timings, so a forward timed
-    slower raises it, while the forward+backward's, one timing, stays; both tables show it."""
-    peer = _timed("broadcast", "torch-varlen", 0.8, fwdbwd_ms=4.0)
-    timed = _timed("broadcast", "tlx", 0.5, fwdbwd_ms=2.0)
-    slow_forward = _timed("broadcast", "tlx", 0.6, fwdbwd_ms=2.0)
+def _before_backward_timing(record: dict) -> dict:
+    """Record as a run before 2026-12-05 wrote it: the backward the difference of the other two timings, with
+    no device time, idle time or clock of its own."""
+    old = {key: value for key, value in record.items()
+           if key not in ("bwd_device_ms", "bwd_idle_ms", "bwd_sm_mhz", "bwd_extra_bytes")}
+    old["bwd_ms"] = record["fwdbwd_ms"] - record["fwd_ms"]
+    bench.derive(old, fwd_bytes=4e9, bwd_bytes=1e10, copy_gbps=4250.0)
+    return old
+
+
+def test_each_ratio_is_of_its_own_timing(capsys):
+    """Against the run's torch-varlen: the backward's ratio is of the backward's own timing, so a forward timed
+    slower leaves it as it is (as it leaves the forward+backward's); both tables show it."""
+    peer = _timed("broadcast", "torch-varlen", 0.8, bwd_ms=3.0, fwdbwd_ms=4.0)
+    timed = _timed("broadcast", "tlx", 0.5, bwd_ms=1.5, fwdbwd_ms=2.0)
+    slow_forward = _timed("broadcast", "tlx", 0.6, bwd_ms=1.5, fwdbwd_ms=2.0)
     bench.compare_with_peer([peer, timed, slow_forward])
-    assert math.isclose(timed["bwd_vs_varlen"], 3.2 / 1.5) and math.isclose(slow_forward["bwd_vs_varlen"], 3.2 / 1.4)
+    assert timed["bwd_vs_varlen"] == slow_forward["bwd_vs_varlen"] == 2.0 and peer["bwd_vs_varlen"] == 1.0
     assert timed["fwdbwd_vs_varlen"] == slow_forward["fwdbwd_vs_varlen"] == 2.0 and peer["fwdbwd_vs_varlen"] == 1.0
-    assert math.isclose(timed["fwd_vs_varlen"], 1.6)
+    assert math.isclose(timed["fwd_vs_varlen"], 1.6) and math.isclose(slow_forward["fwd_vs_varlen"], 0.8 / 0.6)
     # A run's markdown computes the ratios row by row, each against its own row's torch-varlen (a run written
     # before the forward+backward ratio existed gets it too).
     tiny_peer, tiny = _timed("tiny", "torch-varlen", 0.3, fwdbwd_ms=3.0), _timed("tiny", "tlx", 0.25, fwdbwd_ms=1.0)
     header, _, tiny_peer_line, tiny_line, peer_line, timed_line, _ = bench.markdown_table([_run(
         "3.7.4+fb", "2026-12-04", [peer, timed, slow_forward, tiny_peer, tiny])]).splitlines()[:7]
     assert header.split(" | ")[7:9] == ["bwd ×FA2", "fwd+bwd ×FA2"]
-    assert timed_line.split(" | ")[7:9] == ["2.13", "2.00"] and peer_line.split(" | ")[7:9] == ["1.00", "1.00"]
-    assert tiny_line.split(" | ")[7:9] == ["3.60", "3.00"] and tiny_peer_line.split(" | ")[8] == "1.00"
+    assert timed_line.split(" | ")[7:9] == ["2.00", "2.00"] and peer_line.split(" | ")[7:9] == ["1.00", "1.00"]
+    assert tiny_line.split(" | ")[7:9] == ["1.20", "3.00"] and tiny_peer_line.split(" | ")[8] == "1.00"
     bench.print_table([timed])
     header, _, line = capsys.readouterr().out.splitlines()
-    assert "f+b xFA2" in header and line.split()[8] == "2.00"
+    assert "f+b xFA2" in header and line.split()[7:9] == ["2.00", "2.00"]
 
 
 def test_markdown_table_joins_runs_row_by_row():
     """Each row's records run by run, marked with their run's footnote; triton under fbtriton named so; GB/s only
-    on memory-bound rows; a skipped backend says why; the footnotes name each run."""
+    on memory-bound rows; a skipped backend says why; the footnotes name each run and how it timed the backward
+    (a run from before the backward's own timing shows '-' for the backward's device and idle times and clock)."""
     fb = _run("3.7.4+fb", "2026-12-04T00:08", [_timed("tiny", "triton", 2.0, fwd_vs_varlen=1.5),
                                                 _timed("gem", "tlx", 1.0, fwd_vs_varlen=1.52, bwd_vs_varlen=1.5)])
-    stock = _run("3.6.0", "2026-12-04T00:05", [_timed("gem", "triton", 2.0),
+    stock = _run("3.6.0", "2026-12-04T00:05", [_before_backward_timing(_timed("gem", "triton", 2.0)),
                                                 {"row": "gem", "backend": "flex", "skipped": "not installed"}])
     lines = bench.markdown_table([fb, stock]).splitlines()
     body = [line for line in lines if line.startswith("| ") and not line.startswith(("| row", "| ---"))]
     assert [line.split(" | ")[:2] for line in body] == [
         ["| gem", "tlx ¹"], ["| ", "triton ²"], ["| ", "flex ²"], ["| tiny", "triton under fbtriton ¹"]]
     gem_tlx = body[0].split(" | ")
-    assert gem_tlx[2:5] == ["1.000", "4000.0", "1.52"] and gem_tlx[-3:] == ["0.900 / 2.800", "0.050 / 0.125",
-                                                                              "1805 / - |"]
-    assert body[1].split(" | ")[4] == "-"  # no torch-varlen in its run: no ratio
+    assert gem_tlx[2:5] == ["1.000", "4000.0", "1.52"]
+    assert gem_tlx[-3:] == ["0.900 / 1.900 / 2.800", "0.050 / 0.075 / 0.125", "1805 / 1790 / - |"]
+    gem_triton = body[1].split(" | ")
+    assert gem_triton[4] == "-"  # no torch-varlen in its run: no ratio
+    assert gem_triton[5] == "4.000" and gem_triton[-3:] == ["1.900 / - / 5.800", "0.050 / - / 0.125", "1805 / - / - |"]
     assert "not installed" in body[2]
     assert {line.count("|") for line in body} == {lines[0].count("|")}  # every line has the header's cells
     assert body[3].split(" | ")[3] == "2000.0 (2000 GB/s)" and "GB/s" not in body[0]
     assert lines[-2].startswith("¹ NVIDIA H200") and "3.7.4+fb" in lines[-2] and "4,250 GB/s" in lines[-2]
     assert lines[-1].startswith("² ") and "3.6.0" in lines[-1]
+    assert lines[-2].endswith("the backward timed alone.") and lines[-1].endswith("the backward (fwd+bwd) − fwd.")
 
 
 def test_markdown_of_one_run_has_no_marks(tmp_path, capsys):

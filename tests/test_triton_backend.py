@@ -484,6 +484,26 @@ def test_schedules_and_determinism():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("broadcast_q", [False, True])
+def test_a_retained_graph_gives_its_gradients_again(broadcast_q):
+    """backward(retain_graph=True) and a second backward over the same graph (as `jfa.bench` times the backward
+    alone): the second call's gradients are the first's, bit for bit, and a fresh forward+backward's, so the
+    backward leaves the tensors it saved as it found them."""
+    rng = np.random.default_rng(21 + broadcast_q)
+    kv_lens = random_lengths(rng, 4, 60)
+    q_lens = [int(rng.integers(1, 40))] * 4 if broadcast_q else random_lengths(rng, 4, 60)
+    q, k, v, q_off, kv_off, dout = make_inputs(q_lens, kv_lens, 2, 1, 16, 16, broadcast_q=broadcast_q,
+                                               seed=int(rng.integers(1 << 30)))
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = jfa.attention(*leaves, q_off, kv_off, backend="triton", broadcast_q=broadcast_q)
+    first = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    second = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    fresh = run_triton(q, k, v, q_off, kv_off, dout, broadcast_q=broadcast_q)
+    for name, a, b in zip(("dq", "dk", "dv"), first, second, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, fresh[name]), name
+
+
+@needs_interpreter
 def test_nan_tails_and_strided_layouts():
     """Inputs that are views into larger NaN-filled allocations (rows past offsets[-1]), a fused-QKV
     slice, and a non-contiguous dout with large strides give bitwise the same results as contiguous ones."""
