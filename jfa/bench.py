@@ -11,21 +11,21 @@ Every backend named by --backends (default: triton, tlx, torch-varlen, flex; una
 the reason) runs through jfa.attention, so each includes the op's validation and host work. Timings are
 triton.testing.do_bench means (warm-up first; the first calls, which compile and autotune, are made before
 timing). Reported: forward time; backward time, the backward alone (torch.autograd.grad over one forward's
-retained graph, as FlashAttention's `benchmark_backward` times it; runs before 2026-12-05 took (fwd+bwd) − fwd
-instead, which moved with the forward's timing); forward+backward time (one timing of both passes as a training
-step takes them); TFLOP/s that count only visible (query, key) pairs — forward 4·pairs·D per head, backward 2.5×
-that — the ratio of each to torch-varlen (FlashAttention-2), GB/s of compulsory traffic (inputs read and outputs
-written once: q, k, v, out, lse forward; q, k, v, out, dout, lse read and dq, dk, dv written backward) and that
-rate as a share of the device's copy rate (a 1 GiB device-to-device copy timed at the start of the run), per row
-the memory roofline (the traffic's time at the copy rate, and the ratio to torch-varlen of a kernel that took no
-longer: beyond it only by moving bytes faster than a copy does), peak extra memory
-(torch.cuda.max_memory_allocated minus inputs and outputs), the device time of the forward, the backward and the
-forward+backward (their kernels and copies, torch.profiler over five back-to-back calls after a warm-up call and
-a first recorded one, left out) and the GPU's idle time per call among them (what it waited for the host: in the
-forward the op's one wait for the offsets, then its host work until the launch; in the backward its host work and
-the autograd engine's, where they outlast the previous call's kernels), and the mean SM clock of each timing
-(NVML): under sustained load the H200 lowers its clock, more for a kernel that keeps the tensor cores busier, so
-a time is read beside its clock.
+retained graph, as FlashAttention's `benchmark_backward` times it; '-' for a backward that cannot run twice over
+one graph; runs before 2026-12-05 took (fwd+bwd) − fwd instead, which moved with the forward's timing);
+forward+backward time (one timing of both passes as a training step takes them); TFLOP/s that count only visible
+(query, key) pairs — forward 4·pairs·D per head, backward 2.5× that — the ratio of each to torch-varlen
+(FlashAttention-2), GB/s of compulsory traffic (inputs read and outputs written once: q, k, v, out, lse forward;
+q, k, v, out, dout, lse read and dq, dk, dv written backward) and that rate as a share of the device's copy rate
+(a 1 GiB device-to-device copy timed at the start of the run), per row the memory roofline (the traffic's time at
+the copy rate, and the ratio to torch-varlen of a kernel that took no longer: beyond it only by moving bytes
+faster than a copy does), peak extra memory (torch.cuda.max_memory_allocated minus inputs and outputs), the
+device time of the forward, the backward and the forward+backward (their kernels and copies, torch.profiler over
+five back-to-back calls after a warm-up call and a first recorded one, left out) and the GPU's idle time per call
+among them (what it waited for the host: in the forward the op's one wait for the offsets, then its host work
+until the launch; in the backward its host work and the autograd engine's, where they outlast the previous call's
+kernels), and the mean SM clock of each timing (NVML): under sustained load the H200 lowers its clock, more for a
+kernel that keeps the tensor cores busier, so a time is read beside its clock.
 --json writes everything with the environment (GPU, driver, CUDA, torch, triton versions, date).
 `python -m jfa.bench --markdown RUN.json [RUN.json ...]` prints such runs as one markdown table (the README's),
 each row's backends run by run; with several runs, a run's records carry its footnote mark, and the footnotes
@@ -195,24 +195,25 @@ def bench_row(row: str, backends, dtype, head_dim: int, causal: bool, window, re
 def compare_with_peer(results: list[dict]) -> None:
     """Each timed record's ratios to torch-varlen's, of one row of one run (`results`): the forward's, the
     backward's, the forward+backward's and the rooflines'."""
-    peer = next((r for r in results if r["backend"] == "torch-varlen" and "bwd_ms" in r), None)
+    peer = next((r for r in results if r["backend"] == "torch-varlen" and _measured(r)), None)
     for r in results:
-        if peer and "bwd_ms" in r:
-            r["fwd_vs_varlen"] = peer["fwd_ms"] / r["fwd_ms"]
-            r["bwd_vs_varlen"] = peer["bwd_ms"] / r["bwd_ms"]
-            r["fwdbwd_vs_varlen"] = peer["fwdbwd_ms"] / r["fwdbwd_ms"]
-            # The most any kernel could reach against FA2 here if the traffic alone set the time.
-            r["fwd_roofline_vs_varlen"] = peer["fwd_ms"] / r["fwd_floor_ms"]
-            r["bwd_roofline_vs_varlen"] = peer["bwd_ms"] / r["bwd_floor_ms"]
+        if peer is None or not _measured(r):
+            continue
+        for key in (k for k in PASSES if f"{k}_ms" in peer and f"{k}_ms" in r):
+            r[f"{key}_vs_varlen"] = peer[f"{key}_ms"] / r[f"{key}_ms"]
+        # The most any kernel could reach against FA2 here if the traffic alone set the time.
+        for key in (k for k in ("fwd", "bwd") if f"{k}_ms" in peer):
+            r[f"{key}_roofline_vs_varlen"] = peer[f"{key}_ms"] / r[f"{key}_floor_ms"]
 
 
 def derive(record: dict, fwd_bytes: float, bwd_bytes: float, copy_gbps: float) -> None:
-    """A timed record's derived figures: TFLOP/s, GB/s, and that GB/s as a share of the device's copy rate,
-    with the time the compulsory traffic alone takes at that rate (floor)."""
+    """A timed record's derived figures: TFLOP/s, GB/s, and that GB/s as a share of the device's copy rate, of
+    each pass timed, with the time the compulsory traffic alone takes at that rate (floor)."""
     for key, nbytes in (("fwd", fwd_bytes), ("bwd", bwd_bytes)):
-        record[f"{key}_tflops"] = record[f"{key}_flops"] / record[f"{key}_ms"] * 1e-9
-        record[f"{key}_gbps"] = nbytes / record[f"{key}_ms"] * 1e-6
-        record[f"{key}_copy_share"] = record[f"{key}_gbps"] / copy_gbps
+        if f"{key}_ms" in record:
+            record[f"{key}_tflops"] = record[f"{key}_flops"] / record[f"{key}_ms"] * 1e-9
+            record[f"{key}_gbps"] = nbytes / record[f"{key}_ms"] * 1e-6
+            record[f"{key}_copy_share"] = record[f"{key}_gbps"] / copy_gbps
         record[f"{key}_floor_ms"] = nbytes / copy_gbps * 1e-6
 
 
@@ -345,7 +346,15 @@ def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: in
                                  ("fwdbwd", lambda: forward_backward, outputs + grads)):
         fn = make()  # the backward's forward is made here, so its graph's tensors count in `base` below
         fn()  # compile, autotune, cache the schedule
-        fn()
+        try:
+            fn()
+        except RuntimeError as error:
+            if key != "bwd":
+                raise
+            # A backward that cannot run twice over one graph (torch.compile's donated buffers: flex on the tiny
+            # row) has no backward alone to time; its forward+backward is still timed.
+            record["bwd_untimed"] = f"{type(error).__name__}: {str(error)[:300]}"
+            continue
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -360,8 +369,9 @@ def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: in
 
 
 def _measured(r: dict) -> bool:
-    """Whether record r holds its timings (a skipped or failed backend's holds its reason instead)."""
-    return all(f"{key}_ms" in r for key in PASSES)
+    """Whether record r holds its timings (a skipped or failed backend's holds its reason instead; the backward
+    alone may be missing, `bwd_untimed` saying why)."""
+    return "fwd_ms" in r and "fwdbwd_ms" in r
 
 
 def _print_record(r):
@@ -369,7 +379,7 @@ def _print_record(r):
         print(f"  {r['row']:9s} {r['backend']:13s} {r.get('skipped') or r.get('error')}", flush=True)
         return
     print(f"  {r['row']:9s} {r['backend']:13s} fwd {r['fwd_ms']:8.3f} ms {r['fwd_tflops']:6.1f} TF/s  "
-          f"bwd {r['bwd_ms']:8.3f} ms {r['bwd_tflops']:6.1f} TF/s", flush=True)
+          f"bwd {_value(r, 'bwd_ms', '8.3f')} ms {_value(r, 'bwd_tflops', '6.1f')} TF/s", flush=True)
 
 
 def print_table(results) -> None:
@@ -384,15 +394,15 @@ def print_table(results) -> None:
             continue
 
         def ratio(key, r=r, width=5):
-            return f"{r[key]:{width}.2f}" if key in r else f"{'-':>{width}s}"
+            return _value(r, key, f"{width}.2f")
 
         extra = f"{r['fwd_extra_bytes'] / 2**20:.0f}/{r['fwdbwd_extra_bytes'] / 2**20:.0f}"
-        copy = f"{100 * r['fwd_copy_share']:.0f}/{100 * r['bwd_copy_share']:.0f}"
+        copy = "/".join(_value(r, f"{key}_copy_share", ".0f", 100) for key in ("fwd", "bwd"))
         device, idle, clocks = (_per_pass(r, field, digits, "/") for field, digits in
                                 (("device_ms", 3), ("idle_ms", 3), ("sm_mhz", 0)))
         print(f"{r['row']:9s} {r['backend']:13s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:6.1f} {ratio('fwd_vs_varlen')} "
-              f"{r['bwd_ms']:8.3f} {r['bwd_tflops']:6.1f} {ratio('bwd_vs_varlen')} "
-              f"{ratio('fwdbwd_vs_varlen', width=8)} {r['fwd_gbps']:8.0f} {r['bwd_gbps']:8.0f} {copy:>9s} "
+              f"{_value(r, 'bwd_ms', '8.3f')} {_value(r, 'bwd_tflops', '6.1f')} {ratio('bwd_vs_varlen')} "
+              f"{ratio('fwdbwd_vs_varlen', width=8)} {r['fwd_gbps']:8.0f} {_value(r, 'bwd_gbps', '8.0f')} {copy:>9s} "
               f"{extra:>15s} {device:>19s} {idle:>17s} {clocks:>14s}")
 
 
@@ -405,7 +415,16 @@ def print_rooflines(results, copy_gbps: float) -> None:
         if "fwd_roofline_vs_varlen" in r and r["row"] not in seen:
             seen.add(r["row"])
             print(f"  {r['row']:9s} fwd >= {r['fwd_floor_ms']:.3f} ms (at most {r['fwd_roofline_vs_varlen']:.2f}x "
-                  f"FA2), bwd >= {r['bwd_floor_ms']:.3f} ms (at most {r['bwd_roofline_vs_varlen']:.2f}x FA2)")
+                  f"FA2), bwd >= {r['bwd_floor_ms']:.3f} ms (at most {_value(r, 'bwd_roofline_vs_varlen', '.2f')}x "
+                  "FA2)")
+
+
+def _value(r: dict, key: str, spec: str, times: float = 1) -> str:
+    """Record r's `key` (times `times`) formatted by `spec`, or '-' right-aligned in its width where r lacks it
+    (a backward not timed alone, a ratio without a peer)."""
+    if r.get(key) is None:
+        return f"{'-':>{spec.split('.')[0] or 0}}"
+    return f"{times * r[key]:{spec}}"
 
 
 def _per_pass(r: dict, field: str, digits: int, sep: str = " / ") -> str:
@@ -417,16 +436,18 @@ def _per_pass(r: dict, field: str, digits: int, sep: str = " / ") -> str:
 def _markdown_line(r: dict, label: str) -> str:
     """One table line of record r (the row's name only on its first line: `label` is the backend's)."""
     def rate(key):
+        if f"{key}_tflops" not in r:
+            return "-"
         flops = f"{r[f'{key}_tflops']:.1f}"
         return f"{flops} ({r[f'{key}_gbps']:.0f} GB/s)" if r["row"] in MEMORY_BOUND_ROWS else flops
 
     def ratio(key):
-        return f"{r[key]:.2f}" if key in r else "-"
+        return _value(r, key, ".2f")
 
     if not _measured(r):
         return f"| {label} | {r.get('skipped') or r.get('error')} |" + " |" * 9
     return (f"| {label} | {r['fwd_ms']:.3f} | {rate('fwd')} | {ratio('fwd_vs_varlen')} | "
-            f"{r['bwd_ms']:.3f} | {rate('bwd')} | {ratio('bwd_vs_varlen')} | {ratio('fwdbwd_vs_varlen')} | "
+            f"{_value(r, 'bwd_ms', '.3f')} | {rate('bwd')} | {ratio('bwd_vs_varlen')} | {ratio('fwdbwd_vs_varlen')} | "
             f"{_per_pass(r, 'device_ms', 3)} | {_per_pass(r, 'idle_ms', 3)} | {_per_pass(r, 'sm_mhz', 0)} |")
 
 

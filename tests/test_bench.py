@@ -133,6 +133,30 @@ def test_each_ratio_is_of_its_own_timing(capsys):
     assert "f+b xFA2" in header and line.split()[7:9] == ["2.00", "2.00"]
 
 
+def test_a_backward_not_timed_alone_shows_as_missing(capsys):
+    """A backend whose backward cannot run twice over one graph (flex's compiled backward with donated buffers)
+    has no backward-alone figures: '-' in both tables, no backward ratio; its forward and forward+backward keep
+    theirs, and the row's rooflines still come from torch-varlen."""
+    peer = _timed("tiny", "torch-varlen", 0.8, bwd_ms=3.0, fwdbwd_ms=4.0)
+    untimed = _timed("tiny", "flex", 2.0, fwdbwd_ms=8.0)
+    for key in ("bwd_ms", "bwd_device_ms", "bwd_idle_ms", "bwd_sm_mhz", "bwd_extra_bytes", "bwd_tflops", "bwd_gbps",
+                "bwd_copy_share"):
+        del untimed[key]
+    untimed["bwd_untimed"] = "RuntimeError: donated buffers"
+    bench.derive(untimed, fwd_bytes=4e9, bwd_bytes=1e10, copy_gbps=4250.0)
+    assert "bwd_tflops" not in untimed and "fwd_tflops" in untimed
+    bench.compare_with_peer([peer, untimed])
+    assert "bwd_vs_varlen" not in untimed and untimed["fwd_vs_varlen"] == 0.4 and untimed["fwdbwd_vs_varlen"] == 0.5
+    assert math.isclose(untimed["bwd_roofline_vs_varlen"], 3.0 / untimed["bwd_floor_ms"])
+    bench.print_table([untimed])
+    line = capsys.readouterr().out.splitlines()[-1].split()
+    assert line[5:10] == ["-", "-", "-", "0.50", "2000"] and line[10:12] == ["-", "47/-"]
+    assert line[-3:] == ["1.900/-/5.800", "0.050/-/0.125", "1805/-/-"]
+    cells = bench.markdown_table([_run("3.7.4+fb", "2026-12-05", [peer, untimed])]).splitlines()[3].split(" | ")
+    assert cells[5:9] == ["-", "-", "-", "0.50"] and cells[-3:] == ["1.900 / - / 5.800", "0.050 / - / 0.125",
+                                                                    "1805 / - / - |"]
+
+
 def test_markdown_table_joins_runs_row_by_row():
     """Each row's records run by run, marked with their run's footnote; triton under fbtriton named so; GB/s only
     on memory-bound rows; a skipped backend says why; the footnotes name each run and how it timed the backward
