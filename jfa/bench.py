@@ -430,7 +430,7 @@ def _value(r: dict, key: str, spec: str, times: float = 1) -> str:
 def _per_pass(r: dict, field: str, digits: int, sep: str = " / ") -> str:
     """Record r's `field` (device_ms, idle_ms, sm_mhz) of each pass, '-' where it was not measured (no NVML for
     the clock; a run before the backward had its own timing, 2026-12-05)."""
-    return sep.join("-" if r.get(f"{key}_{field}") is None else f"{r[f'{key}_{field}']:.{digits}f}" for key in PASSES)
+    return sep.join(_value(r, f"{key}_{field}", f".{digits}f") for key in PASSES)
 
 
 def _markdown_line(r: dict, label: str) -> str:
@@ -441,13 +441,11 @@ def _markdown_line(r: dict, label: str) -> str:
         flops = f"{r[f'{key}_tflops']:.1f}"
         return f"{flops} ({r[f'{key}_gbps']:.0f} GB/s)" if r["row"] in MEMORY_BOUND_ROWS else flops
 
-    def ratio(key):
-        return _value(r, key, ".2f")
-
     if not _measured(r):
         return f"| {label} | {r.get('skipped') or r.get('error')} |" + " |" * 9
-    return (f"| {label} | {r['fwd_ms']:.3f} | {rate('fwd')} | {ratio('fwd_vs_varlen')} | "
-            f"{_value(r, 'bwd_ms', '.3f')} | {rate('bwd')} | {ratio('bwd_vs_varlen')} | {ratio('fwdbwd_vs_varlen')} | "
+    return (f"| {label} | {r['fwd_ms']:.3f} | {rate('fwd')} | {_value(r, 'fwd_vs_varlen', '.2f')} | "
+            f"{_value(r, 'bwd_ms', '.3f')} | {rate('bwd')} | {_value(r, 'bwd_vs_varlen', '.2f')} | "
+            f"{_value(r, 'fwdbwd_vs_varlen', '.2f')} | "
             f"{_per_pass(r, 'device_ms', 3)} | {_per_pass(r, 'idle_ms', 3)} | {_per_pass(r, 'sm_mhz', 0)} |")
 
 
