@@ -345,15 +345,9 @@ def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: in
     for key, make, out_bytes in (("fwd", lambda: forward, outputs), ("bwd", backward_of_one_forward, grads),
                                  ("fwdbwd", lambda: forward_backward, outputs + grads)):
         fn = make()  # the backward's forward is made here, so its graph's tensors count in `base` below
-        fn()  # compile, autotune, cache the schedule
-        try:
-            fn()
-        except RuntimeError as error:
-            if key != "bwd":
-                raise
-            # A backward that cannot run twice over one graph (torch.compile's donated buffers: flex on the tiny
-            # row) has no backward alone to time; its forward+backward is still timed.
-            record["bwd_untimed"] = f"{type(error).__name__}: {str(error)[:300]}"
+        untimed = warm_up(fn, may_refuse=key == "bwd")
+        if untimed:  # no backward alone to time; the forward+backward still is
+            record["bwd_untimed"] = untimed
             continue
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -366,6 +360,21 @@ def _measure(record, name, inputs, kwargs, outputs: int, grads: int, repeats: in
             record[f"{key}_ms"] = _median_ms(fn, repeats)
         record[f"{key}_sm_mhz"] = clock.mhz
         record[f"{key}_device_ms"], record[f"{key}_idle_ms"] = _device_profile(fn)
+
+
+def warm_up(fn, may_refuse: bool) -> str | None:
+    """Calls fn twice: the first compiles, autotunes and caches the schedule, the second shows fn runs again over
+    the same state. Where may_refuse (the backward alone, over one retained graph), a RuntimeError of either call
+    is returned as the reason fn cannot be timed, and raised otherwise: flex's compiled backward with donated
+    buffers refuses retain_graph=True at its first call (every row but gem on the H100, 2026-12-05)."""
+    try:
+        fn()
+        fn()
+    except RuntimeError as error:
+        if not may_refuse:
+            raise
+        return f"{type(error).__name__}: {str(error)[:300]}"
+    return None
 
 
 def _measured(r: dict) -> bool:

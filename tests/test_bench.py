@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from jfa import bench
 
 
@@ -160,6 +162,35 @@ def test_a_backward_not_timed_alone_shows_as_missing(capsys):
     cells = bench.markdown_table([_run("3.7.4+fb", "2026-12-05", [peer, untimed])]).splitlines()[3].split(" | ")
     assert cells[5:9] == ["-", "-", "-", "0.50"] and cells[-3:] == ["1.900 / - / 5.800", "0.050 / - / 0.125",
                                                                     "1805 / - / - |"]
+
+
+class _Refusing:
+    """A pass that raises at its `refuse_at`-th call (1-based; None never), counting its calls."""
+
+    def __init__(self, refuse_at):
+        self.refuse_at, self.calls = refuse_at, 0
+
+    def __call__(self):
+        self.calls += 1
+        if self.calls == self.refuse_at:
+            raise RuntimeError("This backward function was compiled with non-empty donated buffers")
+
+
+@pytest.mark.parametrize("refuse_at", [1, 2])
+def test_a_backward_refusing_a_retained_graph_is_reported_not_raised(refuse_at):
+    """flex's compiled backward refused retain_graph=True at its first call on the H100 (2026-12-05), which the
+    first version of this check, catching only the second call, let through to lose flex's whole record."""
+    fn = _Refusing(refuse_at)
+    assert bench.warm_up(fn, may_refuse=True) == ("RuntimeError: This backward function was compiled with "
+                                                   "non-empty donated buffers")
+    assert fn.calls == refuse_at
+    with pytest.raises(RuntimeError, match="donated buffers"):
+        bench.warm_up(_Refusing(refuse_at), may_refuse=False)
+
+
+def test_a_pass_that_runs_twice_is_warmed_up_twice():
+    fn = _Refusing(None)
+    assert bench.warm_up(fn, may_refuse=True) is None and fn.calls == 2
 
 
 def test_markdown_table_joins_runs_row_by_row():
