@@ -76,6 +76,9 @@ BUGS = (
         "invariants:batch_alone", ("gem_like:0", "one_huge_many_tiny:0", "power_law:0")),
     Bug("dq_first_segment_only", "dq uses the first sequence's keys for every sequence (a zero batch stride)",
         "backward:bound", ("uniform:0", "gem_like:0")),
+    Bug("saved_stats_overwritten", "the backward turns the row sums its forward saved into reciprocals in place "
+        "(as a kernel writing them would: no version counter sees it): a second backward over a retained graph "
+        "reads 1/l as l", "invariants:backward_again", ("uniform:0", "gem_like:0")),
     Bug("offsets_cached_by_address", "host state kept per offsets buffer (keyed by its address): a buffer "
         "rewritten in place keeps the lengths of its first call", "invariants:offsets_reused",
         ("uniform:0", "gem_like:0"), op_level=True),
@@ -276,6 +279,8 @@ class Emulator:
                 dk[valid, kv_head] += dk_heads[h, :kv_len]
                 dv[valid, kv_head] += dv_heads[h, :kv_len]
             seen[k0:k0 + kv_len] |= mask[:, :kv_len].any(0)
+        if self.bug == "saved_stats_overwritten":
+            stats.data[1].reciprocal_()  # through .data: autograd's version counter, like a kernel's write, misses it
         if self.bug == "unwritten_grad_rows":
             # Only rows some query saw are written into a torch.empty result.
             dk = torch.empty_like(dk).index_copy_(0, seen.nonzero().flatten(), dk[seen])

@@ -145,3 +145,42 @@ def test_dq_order_moves_dq_batch_and_padding_checks_to_deterministic_runs():
     findings = check_all(batch_variant, ctx, {"dq_order": "unordered dq"})
     assert [k for k, v in findings.items() if v] == ["batch_alone"], findings
     assert all(problem.startswith("dq of sequence") for problem in findings["batch_alone"])
+
+
+class _OneBackward(torch.autograd.Function):
+    """Identity whose backward runs once per forward and raises `error` at a second, as a compiled backward with
+    donated buffers refuses a retained graph."""
+
+    error = "This backward function was compiled with non-empty donated buffers"
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.done = False
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.done:
+            raise RuntimeError(_OneBackward.error)
+        ctx.done = True
+        return grad
+
+
+def test_a_backward_refusing_a_retained_graph_fails_backward_again_alone(monkeypatch):
+    """Every other invariant runs one backward per forward and passes; a device fault is not a refusal: it ends
+    the check (the suite replaces the process)."""
+    from verify.invariants import check_all
+
+    model, _ = attention_fn("bf16-model")
+
+    def fn(q, k, v, *args, **kwargs):
+        return model(_OneBackward.apply(q), k, v, *args, **kwargs)
+
+    ctx = case_context("uniform:0", "cpu")
+    findings = check_all(fn, ctx)
+    assert [k for k, v in findings.items() if v] == ["backward_again"], findings
+    assert findings["backward_again"] == ["a second backward over the retained graph raised RuntimeError: "
+                                          + _OneBackward.error]
+    monkeypatch.setattr(_OneBackward, "error", "CUDA error: an illegal memory access was encountered")
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        check_all(fn, ctx)

@@ -1,6 +1,6 @@
 """The invariants of DESIGN.md checked exactly (bitwise): every element written, repeatable runs,
-deterministic dq, offsets buffers reused, padding insensitivity, batch invariance, sequence isolation (a NaN
-inside one sequence reaches no other), inputs untouched."""
+deterministic dq, a second backward over a retained graph, offsets buffers reused, padding insensitivity,
+batch invariance, sequence isolation (a NaN inside one sequence reaches no other), inputs untouched."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from jfa.problem import Problem
 from verify.context import CaseContext
-from verify.runner import Outputs, nan_filled_allocations, run
+from verify.runner import Outputs, is_device_fault, nan_filled_allocations, run, run_backwards
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -138,8 +138,9 @@ def _unwritten(outputs: Outputs, ctx: CaseContext) -> list[str]:
 # waives none: it declares that without deterministic=True dq is added up in no fixed order (atomics, TMA
 # reduce), so the padding and batch checks compare dq between deterministic=True runs instead (the contract
 # promises a reproducible dq only there; out, lse, dk and dv are still compared in the default mode).
-WAIVABLE = {"run_to_run": ("repeatable", "deterministic"), "batch": ("padding", "batch_permuted", "batch_alone"),
-            "dq_order": (), "isolation": ("isolation",), "isolation_grad": ("isolation_grad",)}
+WAIVABLE = {"run_to_run": ("repeatable", "deterministic"), "retained_graph": ("backward_again",),
+            "batch": ("padding", "batch_permuted", "batch_alone"), "dq_order": (), "isolation": ("isolation",),
+            "isolation_grad": ("isolation_grad",)}
 
 
 def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
@@ -174,6 +175,8 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
             first = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
         second = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
         findings["deterministic"] = _differences(first, second, all_names)
+    if "retained_graph" not in waived:
+        findings["backward_again"] = _backward_again(fn, args, inputs.kwargs)
     if "batch" in waived:
         findings["offsets_reused"] = _rerun_in(_rotated_buffers(fn, inputs), fn, inputs, base)
         return _with_inputs_check(findings, inputs, before)
@@ -213,6 +216,20 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
                 findings["offsets_reused"] = _rerun_in(sub_args[3:5], fn, inputs, base)
 
     return _with_inputs_check(findings, inputs, before)
+
+
+def _backward_again(fn, args, kwargs: dict) -> list[str]:
+    """Two backwards over one forward's retained graph (deterministic=True, so dq too) must give the same
+    gradients bitwise. A backward that overwrites what its forward saved (its statistics turned in place into
+    the form it needs, say) gives the second wrong ones, silently where a kernel writes them: autograd's
+    version counters see only torch's in-place ops. A backward refusing the retained graph fails too."""
+    try:
+        first, second = run_backwards(fn, *args, kwargs, backwards=2, deterministic=True)
+    except RuntimeError as error:
+        if is_device_fault(error):
+            raise
+        return [f"a second backward over the retained graph raised {type(error).__name__}: {str(error)[:300]}"]
+    return _differences(first, second, ("dq", "dk", "dv"))
 
 
 def _isolation(fn, ctx: CaseContext, base: Outputs, names) -> tuple[list[str], list[str]]:

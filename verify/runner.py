@@ -65,13 +65,20 @@ def run(fn, q, k, v, q_offsets, kv_offsets, dout, kwargs: dict, *, backward: boo
     The caller's tensors are used as they are (views, strides and NaN tails included); gradients are taken
     with respect to detached views of them, so nothing the caller holds is modified.
     """
-    leaves = [x.detach().requires_grad_(backward) for x in (q, k, v)]
-    with torch.set_grad_enabled(backward):
-        result = fn(*leaves, q_offsets, kv_offsets, **kwargs, return_lse=True, deterministic=deterministic)
-        out, lse = result
-        grads = (None, None, None)
-        if backward:
-            grads = torch.autograd.grad(out, leaves, dout, allow_unused=True)
+    return run_backwards(fn, q, k, v, q_offsets, kv_offsets, dout, kwargs, backwards=int(backward),
+                         deterministic=deterministic)[0]
+
+
+def run_backwards(fn, q, k, v, q_offsets, kv_offsets, dout, kwargs: dict, *, backwards: int,
+                  deterministic: bool = False) -> list[Outputs]:
+    """`run` with `backwards` autograd calls over the one forward's graph, kept for each next one
+    (retain_graph), as a step with two losses or a benchmark of the backward alone makes them: one Outputs per
+    backward, each with the forward's out and lse (one Outputs without gradients for 0)."""
+    leaves = [x.detach().requires_grad_(backwards > 0) for x in (q, k, v)]
+    with torch.set_grad_enabled(backwards > 0):
+        out, lse = fn(*leaves, q_offsets, kv_offsets, **kwargs, return_lse=True, deterministic=deterministic)
+        grads = [torch.autograd.grad(out, leaves, dout, allow_unused=True, retain_graph=i + 1 < backwards)
+                 for i in range(backwards)] or [(None, None, None)]
     if out.device.type == "cuda":
         torch.cuda.synchronize(out.device)
-    return Outputs(out.detach(), lse.detach(), *grads)
+    return [Outputs(out.detach(), lse.detach(), *g) for g in grads]
