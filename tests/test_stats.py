@@ -63,3 +63,34 @@ def test_ulp_statistic_leaves_out_references_below_their_bound():
     assert stats.max_ulp == float(steps.max()) == 2.0
     assert sum(stats.ulp_histogram) == rows * heads * cols - 1
     assert stats.checks["bound"]  # the left-out element is within its bound, the others at most 2 ulps apart
+
+
+def test_relative_l2_leaves_out_references_below_their_bound():
+    """rel_l2 is the error's L2 norm over the reference's on the elements at or above their own error bound: the
+    errors of elements that cancel to about zero (within a bound far above their value) do not move it, however
+    large they are against their value, and a tensor with no element at its bound has rel_l2 0 (the
+    logits_below_min family's gradients, where one correct kernel read 0.097 on one CPU and 4.6 on another)."""
+    from verify.stats import compare
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    rows, heads, cols = 9, 2, 16
+    ref = (torch.rand(rows, heads, cols, generator=gen, dtype=torch.float64) + 0.5) * torch.sign(
+        torch.randn(rows, heads, cols, generator=gen, dtype=torch.float64))
+    bound = ref.abs() * 2.0**-7
+    cancelled = torch.rand(rows, heads, cols, generator=gen) < 0.3
+    ref = torch.where(cancelled, ref * 2.0**-12, ref)  # below the bound they keep
+    noise = torch.rand(rows, heads, cols, generator=gen, dtype=torch.float64) * 2 - 1
+    offsets = torch.tensor([0, 4, rows])
+    no_logits = torch.zeros(heads, rows, dtype=torch.float64)
+    no_exact = torch.zeros(rows, heads, cols, dtype=torch.bool)
+
+    def rel_l2(got, bound):
+        return compare("out", got, ref, bound, no_logits, no_exact, offsets, torch.bfloat16).rel_l2
+
+    kept = ~cancelled
+    for scale in (0.01, 0.9):  # the cancelled elements' errors at 1% and at 90% of their bound
+        got = ref + noise * bound * torch.where(cancelled, scale, 0.5)
+        expected = float(torch.linalg.vector_norm((got - ref)[kept]) / torch.linalg.vector_norm(ref[kept]))
+        assert rel_l2(got, bound) == pytest.approx(expected, rel=1e-12)
+    everything_below = ref.abs() * 4.0
+    assert rel_l2(ref + noise * ref.abs(), everything_below) == 0.0

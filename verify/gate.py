@@ -48,20 +48,23 @@ FORMAT = "jfa-baseline/1"
 #                   Rerun 2026-12-05 once the statistic left out references below their error bound
 #                   (verify.stats.compare): x1.65 still the largest (the same record), at most 62% of the band
 #   rel_l2          x8.0 (logits_below_min spec case, backward dq 0.60 -> 4.8) and x3.3 in that family, where the
-#                   global L2 error follows the logit summation order; x1.19 at most elsewhere
+#                   global L2 error follows the logit summation order; x1.19 at most elsewhere. Rerun 2026-12-05
+#                   (147 cases, 735 records) once the statistic, like max_ulp, left out references below their
+#                   error bound (every gradient element of that family is): x1.12 at most (low_rank:0 backward
+#                   dk 0.0028 -> 0.0032); the other statistics' largest rises as above
 #   |bias|          +0.0029 at most (broadcast_q:1 forward out 0.0010 -> 0.0039); relative changes near zero
 #                   mean nothing (x38 at 1e-5)
-# Hence factor 2 for the max statistics (above 1.74, 1.56, 1.65) and 10 for rel_l2 (above 8); the slacks keep
+# Hence factor 2 for the max statistics (above 1.74, 1.56, 1.65) and for rel_l2 (above 1.12); the slacks keep
 # near-zero values from failing on noise and are far below what a bug moves: 0.05 of bound ratio (2.5% of
 # BOUND_LIMIT), 0.01 of baseline ratio (1% of its limit), 1 ulp, u = 2^-8 of relative L2 (one extra bf16
 # rounding of elements that were exact), and 0.01 of |bias| (a third of limits.BIAS_FLOOR; truncating P moves
-# it by 0.07-0.10). Most of the band any of these changes used: rel_l2 78%, max_ulp 62%, baseline_ratio 54%,
-# bound_ratio 36%, |bias| 29%. Every planted bug of tests/planted.py still fails (tests/test_gate.py).
+# it by 0.07-0.10). Most of the band any of these changes used: max_ulp 62%, baseline_ratio 54%, bound_ratio
+# 36%, |bias| 29%, rel_l2 5%. Every planted bug of tests/planted.py still fails (tests/test_gate.py).
 TOLERANCE = {
     "bound_ratio": (2.0, 0.05),
     "baseline_ratio": (2.0, 0.01),
     "max_ulp": (2.0, 1.0),
-    "rel_l2": (10.0, 2.0**-8),
+    "rel_l2": (2.0, 2.0**-8),
     "bias": (1.0, 0.01),
 }
 STATISTICS = tuple(TOLERANCE)
