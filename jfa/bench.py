@@ -442,6 +442,14 @@ def _per_pass(r: dict, field: str, digits: int, sep: str = " / ") -> str:
     return sep.join(_value(r, f"{key}_{field}", f".{digits}f") for key in PASSES)
 
 
+def _reason_cell(reason: str, limit: int = 160) -> str:
+    """Why a backend has no timings, as one markdown cell: its first line (an error's text may run over many,
+    and a newline would end the table's row), '|' escaped, at most `limit` characters; the JSON keeps it whole."""
+    line = reason.splitlines()[0] if reason else ""
+    line = line if len(line) <= limit else line[:limit - 1] + "…"
+    return line.replace("|", "\\|")
+
+
 def _markdown_line(r: dict, label: str) -> str:
     """One table line of record r (the row's name only on its first line: `label` is the backend's)."""
     def rate(key):
@@ -451,7 +459,7 @@ def _markdown_line(r: dict, label: str) -> str:
         return f"{flops} ({r[f'{key}_gbps']:.0f} GB/s)" if r["row"] in MEMORY_BOUND_ROWS else flops
 
     if not _measured(r):
-        return f"| {label} | {r.get('skipped') or r.get('error')} |" + " |" * 9
+        return f"| {label} | {_reason_cell(r.get('skipped') or r.get('error'))} |" + " |" * 9
     return (f"| {label} | {r['fwd_ms']:.3f} | {rate('fwd')} | {_value(r, 'fwd_vs_varlen', '.2f')} | "
             f"{_value(r, 'bwd_ms', '.3f')} | {rate('bwd')} | {_value(r, 'bwd_vs_varlen', '.2f')} | "
             f"{_value(r, 'fwdbwd_vs_varlen', '.2f')} | "

@@ -219,6 +219,21 @@ def test_markdown_table_joins_runs_row_by_row():
     assert lines[-2].endswith("the backward timed alone.") and lines[-1].endswith("the backward (fwd+bwd) − fwd.")
 
 
+def test_a_failed_backend_takes_one_markdown_line():
+    """A backend that raised keeps its row of the table: the error's first line, its '|' escaped and its length
+    capped (a compiler's error runs over many lines, and a newline ends a markdown row)."""
+    error = ("RuntimeError: This backward function was compiled with non-empty donated buffers | which "
+             + "x" * 300 + "\nTraceback line 2\nline 3")
+    run = _run("3.6.0", "2026-12-05", [_timed("gem", "triton", 2.0), {"row": "gem", "backend": "flex", "error": error}])
+    lines = bench.markdown_table([run]).splitlines()
+    failed = [line for line in lines if line.startswith("|  | flex |")]
+    assert len(failed) == 1 and "Traceback" not in bench.markdown_table([run])
+    assert failed[0].count("|") - failed[0].count("\\|") == lines[0].count("|")
+    cell = failed[0].split(" | ")[2]
+    assert cell.startswith("RuntimeError: This backward") and "buffers \\| which" in cell
+    assert len(cell) == 161 and cell.endswith("…")  # 160 characters and the escape's backslash
+
+
 def test_markdown_of_one_run_has_no_marks(tmp_path, capsys):
     path = tmp_path / "run.json"
     path.write_text(json.dumps(_run("3.6.0", "2026-12-04", [_timed("long", "triton", 2.0)])))
