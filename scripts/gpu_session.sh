@@ -19,6 +19,17 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/jfa
 FBT=/tmp/fbt
 
+# REQUIRE_CARD (e.g. H200): no stage runs unless every GPU's name contains it. A device call that names the
+# H200 kind may be given an H100, and an H200 table's figures or an H200 baseline's update must not come from
+# one. The cards found go to $OUT/card.txt; exit 3.
+if [ -n "${REQUIRE_CARD:-}" ]; then
+  cards=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>&1)
+  if [ -z "$cards" ] || grep -v -q -F -- "$REQUIRE_CARD" <<< "$cards"; then
+    echo "REQUIRE_CARD=$REQUIRE_CARD, but the GPUs are: ${cards:-none}; no stage run" | tee "$OUT/card.txt"
+    exit 3
+  fi
+fi
+
 with_fbtriton() {  # runs "$@" with fbtriton (Triton with TLX) first on the path
   [ -d $FBT ] || python3 -c "import tarfile; tarfile.open('.carry/fbtriton-cp312.tar.xz').extractall('$FBT')"
   PYTHONPATH=$FBT:$PWD "$@"

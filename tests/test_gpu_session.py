@@ -36,6 +36,29 @@ def test_group_premerge_stages_get_their_share_of_the_cores(tmp_path):
     assert f"premerge own_b on 1 GPU(s), cores {own}, backends bf16-model: exit 0" in timings, timings
 
 
+@pytest.mark.parametrize(("cards", "required", "runs"), [
+    ("NVIDIA H100 80GB HBM3", "H200", False), ("NVIDIA H200\nNVIDIA H100 80GB HBM3", "H200", False),
+    ("", "H200", False), ("NVIDIA H200\nNVIDIA H200", "H200", True), ("NVIDIA H100 80GB HBM3", "", True)])
+def test_require_card_runs_no_stage_on_another_card(tmp_path, cards, required, runs):
+    """REQUIRE_CARD: the stages run only when every GPU's name contains it (none listed counts as another card);
+    otherwise the cards found are written and the script exits 3 before any stage."""
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    smi = stub / "nvidia-smi"
+    smi.write_text(f'#!/bin/bash\n[[ "$*" == *--query-gpu=name,* ]] && echo "name, driver"\nprintf "{cards}"\n')
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{stub}:{os.environ['PATH']}", OUT=str(out),
+               REQUIRE_CARD=required)
+    proc = subprocess.run(["bash", "scripts/gpu_session.sh", "env"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    if runs:
+        assert proc.returncode == 0 and (out / "env.txt").exists() and not (out / "card.txt").exists(), proc.stdout
+    else:
+        assert proc.returncode == 3 and not (out / "env.txt").exists(), proc.stdout + proc.stderr
+        assert (out / "card.txt").read_text().startswith(f"REQUIRE_CARD={required}, but the GPUs are: ")
+
+
 def _stand_in_probe(tmp_path) -> Path:
     """A `python3` first on PATH whose `scripts/ab_probe.py measure` records its side and PYTHONPATH and writes a
     record per row (kernel ms by side: base 4, mine 3, a candidate 2; short_ws_kernel a quarter of it for a
