@@ -184,3 +184,42 @@ def test_a_backward_refusing_a_retained_graph_fails_backward_again_alone(monkeyp
     monkeypatch.setattr(_OneBackward, "error", "CUDA error: an illegal memory access was encountered")
     with pytest.raises(RuntimeError, match="illegal memory access"):
         check_all(fn, ctx)
+
+
+def test_the_retained_graph_first_backward_is_the_deterministic_checks_second_run():
+    """With both groups checked, the deterministic check compares its first run with the retained graph's first
+    backward instead of calling the op once more: two calls with deterministic=True where there were three. A
+    dq that changes from call to call still fails `deterministic` (and only it: the two backwards of one call
+    agree)."""
+    from verify.invariants import check_all
+
+    model, _ = attention_fn("bf16-model")
+    calls = []
+
+    def counted(q, k, v, *args, **kwargs):
+        calls.append(kwargs.get("deterministic", False))
+        return model(q, k, v, *args, **kwargs)
+
+    ctx = case_context("uniform:0", "cpu")
+    findings = check_all(counted, ctx)
+    assert not any(findings.values()) and calls.count(True) == 2, (findings, calls)
+
+    def drifting(q, k, v, *args, **kwargs):  # each call's dq scaled by its own factor, both its backwards alike
+        calls.append(True)
+        return model(_ScaledGradient.apply(q, 1 + 2.0**-6 * len(calls)), k, v, *args, **kwargs)
+
+    failed = [k for k, v in check_all(drifting, ctx).items() if v]
+    assert "deterministic" in failed and "backward_again" not in failed, failed
+
+
+class _ScaledGradient(torch.autograd.Function):
+    """Identity whose backward scales the gradient by `factor`, fixed at the forward."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None

@@ -169,14 +169,17 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
     # library kernels in this mode.
     with nan_filled_allocations():
         findings["written"] = _unwritten(run(fn, *args, inputs.kwargs, backward=True), ctx)
+    retained = None
+    if "retained_graph" not in waived:
+        findings["backward_again"], retained = _backward_again(fn, args, inputs.kwargs)
     first = ordered_base
     if "run_to_run" not in waived:
         if first is None:
             first = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
-        second = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
+        # The retained graph's first backward is a run of the call with deterministic=True like any other: it
+        # serves as the second run here (one call of the op fewer per case), unless that backward raised.
+        second = retained or run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
         findings["deterministic"] = _differences(first, second, all_names)
-    if "retained_graph" not in waived:
-        findings["backward_again"] = _backward_again(fn, args, inputs.kwargs)
     if "batch" in waived:
         findings["offsets_reused"] = _rerun_in(_rotated_buffers(fn, inputs), fn, inputs, base)
         return _with_inputs_check(findings, inputs, before)
@@ -218,18 +221,19 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
     return _with_inputs_check(findings, inputs, before)
 
 
-def _backward_again(fn, args, kwargs: dict) -> list[str]:
+def _backward_again(fn, args, kwargs: dict) -> tuple[list[str], Outputs | None]:
     """Two backwards over one forward's retained graph (deterministic=True, so dq too) must give the same
     gradients bitwise. A backward that overwrites what its forward saved (its statistics turned in place into
     the form it needs, say) gives the second wrong ones, silently where a kernel writes them: autograd's
-    version counters see only torch's in-place ops. A backward refusing the retained graph fails too."""
+    version counters see only torch's in-place ops. A backward refusing the retained graph fails too.
+    Returns the problems and the first backward's outputs (None where a backward raised)."""
     try:
         first, second = run_backwards(fn, *args, kwargs, backwards=2, deterministic=True)
     except RuntimeError as error:
         if is_device_fault(error):
             raise
-        return [f"a second backward over the retained graph raised {type(error).__name__}: {str(error)[:300]}"]
-    return _differences(first, second, ("dq", "dk", "dv"))
+        return [f"a second backward over the retained graph raised {type(error).__name__}: {str(error)[:300]}"], None
+    return _differences(first, second, ("dq", "dk", "dv")), first
 
 
 def _isolation(fn, ctx: CaseContext, base: Outputs, names) -> tuple[list[str], list[str]]:
