@@ -178,7 +178,7 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
             first = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
         # The retained graph's first backward is a run of the call with deterministic=True like any other: it
         # serves as the second run here (one call of the op fewer per case), unless that backward raised.
-        second = retained or run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
+        second = retained if retained is not None else run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
         findings["deterministic"] = _differences(first, second, all_names)
     if "batch" in waived:
         findings["offsets_reused"] = _rerun_in(_rotated_buffers(fn, inputs), fn, inputs, base)
