@@ -253,8 +253,9 @@ def _launch_tlx(q, k, v, out, lse, row_max, row_sum, plan: HostPlan, problem: Pr
 # The dK/dV pass (`jfa.tlx.backward`): query rows per block, keys per tile, depth of the Q/dO ring.
 BWD_BLOCK_M, BWD_BLOCK_N, BWD_BUFFERS = 64, 128, 2
 # The short-query pass: every query row of a sequence (the Triton short-query table's BLOCK_M), keys per block
-# (that table's BLOCK_N, by which its tiles are sorted), depths of the K and V rings (K: two pairs of blocks).
-SHORT_BLOCK_M, SHORT_BLOCK_N, SHORT_K_BUFFERS, SHORT_V_BUFFERS = 128, 64, 4, 2
+# (that table's BLOCK_N, by which its tiles are sorted), depths of the K and V rings (K: two pairs of blocks; V:
+# a slot is also where a block's dk and dv go out, so it is held until their TMA stores have read it).
+SHORT_BLOCK_M, SHORT_BLOCK_N, SHORT_K_BUFFERS, SHORT_V_BUFFERS = 128, 64, 4, 3
 _KEY_TABLES: OrderedDict = OrderedDict()
 
 
@@ -460,13 +461,15 @@ def _launch_short(q, k, v, out, dout, dq, dk, dv, row_max, row_sum, schedule: ts
     desc_do, sdo_h = _descriptor(dout, SHORT_BLOCK_M)
     desc_k, sk_h = _descriptor(k, SHORT_BLOCK_N)
     desc_v, sv_h = _descriptor(v, SHORT_BLOCK_N)
+    # dk and dv: written by TMA in place (the op allocates them contiguous, so `_descriptor` copies neither)
+    desc_dk, desc_dv = (_descriptor(x, SHORT_BLOCK_N)[0] for x in (dk, dv))
     desc_m, desc_l = (_statistics_descriptor(x, SHORT_BLOCK_M) for x in (row_max, row_sum))
     programs = _persistent_programs(schedule.short_bwd.n_tiles, device)
     tiles, rows, starts, sources = short_lists(problem, schedule, programs, problem.broadcast_q)
     scale = problem.sm_scale
     launch_confirmed(
         problem, kernel, (programs,),
-        desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, out, dq, dk, dv,
+        desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, out, dq, dk, dv, desc_dk, desc_dv,
         tiles, rows, starts, problem.q_offsets, problem.out_offsets, problem.kv_offsets,
         sq_h, sdo_h, out.stride(0), out.stride(1), sk_h, sv_h, dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
         dv.stride(0), dv.stride(1),

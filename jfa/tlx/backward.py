@@ -410,12 +410,15 @@ def dq_ws_kernel(
 # of from shared memory made the kernel 1.77 -> 2.15 ms, and the K ring of 4 that the freed shared memory
 # allows won back only 2% of that (2.11 ms). The K ring is 4 deep (2026-12-03): with 3, the second block of
 # pair i + 1 waits until pair i's dq products release K; 4 holds two whole pairs. It fits because the fp32 dq
-# is stored in column quarters (below), whose layout conversion needs a quarter of the scratch: 1.756 -> 1.678
+# is stored in column parts (`_store_dq`), whose layout conversion needs a part of the scratch: 1.756 -> 1.678
 # ms a call on the broadcast row, the same dk and dv bits (docs/performance-log.md). dv and dk are stored through
 # the block's V slot, free once dPᵀ retired (2026-12-03): rounded to bf16 in the product's layout, then read back
 # in the global store's, where the store's own conversion ran on fp32 in four rounds of shared-memory scratch
 # with barriers; spill at D 128 444 -> 228 bytes, and 1.670 -> 1.472 ms a call on the broadcast row (the same
-# dk and dv bits).
+# dk and dv bits). At D 128 a block within its sequence goes out from the slot by TMA store (`_store_keys`), with
+# the V ring of 3 that the dq store's eighths make room for: 1.647 -> 1.403 ms a call on an H100 (2026-12-05).
+# The producer issues K and V of a block in turn; issuing K ahead of V did not help (nor a V ring of 3 alone, nor
+# consumers out of step at the pair's meeting: docs/performance-log.md).
 
 
 @triton.jit
@@ -483,8 +486,9 @@ def _zero_keys(DK, DV, kv_start, head, start, end, sdk_t, sdk_h, sdv_t, sdv_h, D
 
 @triton.jit
 def _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, q_full, q_empty, k_full, k_empty,
-                 v_full, v_empty, ds_tiles, ds_free, Out, so_t, so_h, DQ, DK, DV, tiles, lists, list_starts,
-                 q_offsets, out_offsets, kv_offsets, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, scale_log2,
+                 v_full, v_empty, ds_tiles, ds_free, Out, so_t, so_h, DQ, DK, DV, desc_dk, desc_dv, tiles, lists,
+                 list_starts, q_offsets, out_offsets, kv_offsets, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h,
+                 scale_log2,
                  sm_scale, window, n_heads,
                  cid: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_BUFFERS: tl.constexpr,
@@ -549,19 +553,15 @@ def _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, 
                 tlx.fence("async_shared")
                 written += 1
                 dv = tlx.async_dot_wait(0, tlx.async_dot(pt, do_tile[0]))
-                keys = n + tl.arange(0, BLOCK_N)
-                key_ok = keys < kv_len
-                key_rows = tl.cast(kv_start + keys, tl.int64)
-                # dv and dk go to global memory through the block's V slot (dPᵀ has retired): stored there in
-                # bf16 in the product's layout and read back in the store's, one pass where the store's own
-                # layout conversion took four, in fp32
+                # dv and dk go to global memory through the block's V slot (dPᵀ has retired), stored there in bf16
+                # in the product's layout (`_store_keys`)
                 tlx.local_store(v_tiles[v_slot], dv.to(DT))
-                tl.store(DV + (key_rows * sdv_t + tl.cast(head, tl.int64) * sdv_h)[:, None] + offs_d[None, :],
-                         tlx.local_load(v_tiles[v_slot]), mask=key_ok[:, None])
+                _store_keys(desc_dv, DV, v_tiles[v_slot], kv_start, n, kv_len, head, sdv_t, sdv_h, HEAD_DIM, BLOCK_N)
                 dk = tlx.async_dot_wait(0, tlx.async_dot(dst, q_tile[0]))
+                tlx.async_descriptor_store_wait(0)  # dv's TMA store has read the slot
                 tlx.local_store(v_tiles[v_slot], (dk * sm_scale).to(DT))
-                tl.store(DK + (key_rows * sdk_t + tl.cast(head, tl.int64) * sdk_h)[:, None] + offs_d[None, :],
-                         tlx.local_load(v_tiles[v_slot]), mask=key_ok[:, None])
+                _store_keys(desc_dk, DK, v_tiles[v_slot], kv_start, n, kv_len, head, sdk_t, sdk_h, HEAD_DIM, BLOCK_N)
+                tlx.async_descriptor_store_wait(0)  # and dk's, before the producer's next load into the slot
                 tlx.fence("async_shared")  # the producer's next TMA load into the slot comes after these accesses
                 tlx.barrier_arrive(v_empty[v_slot], 1)
             tlx.named_barrier_wait(DS_READY, CONSUMER_THREADS)  # the pair's dSᵀ tiles are in shared memory
@@ -596,35 +596,75 @@ def _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, 
 
 
 @triton.jit
+def _store_keys(desc, ptr, slot, kv_start, n, kv_len, head, s_t, s_h, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [n, n + BLOCK_N) of a sequence's dk or dv, in `slot` (the input dtype), to global memory: by a TMA
+    store where the block lies within the sequence (the consumer goes on while it runs: with the stores from
+    registers, the broadcast row's pass took 1.647 ms a call on an H100, 1.094 ms without any), else from
+    registers with the keys past kv_len masked (a TMA box would write the next sequence's rows).
+
+    A TMA store needs the slot's shared-memory layout to be its descriptor's. Rows of more than 128 bytes (D 128)
+    have a 128-byte swizzle in both; at D 64 the slot's is 128-byte (wgmma's choice) and a [64, 64] box's is
+    64-byte, so D 64 stores from registers."""
+    ROW_BYTES: tl.constexpr = HEAD_DIM * ptr.dtype.element_ty.primitive_bitwidth // 8
+    tlx.fence("async_shared")  # the slot's writes come before the TMA engine's reads
+    if ROW_BYTES > 128:
+        if n + BLOCK_N <= kv_len:
+            tlx.async_descriptor_store(desc, slot, [kv_start + n, head * s_h])
+        else:
+            _store_key_rows(ptr, slot, kv_start, n, kv_len, head, s_t, s_h, HEAD_DIM, BLOCK_N)
+    else:
+        _store_key_rows(ptr, slot, kv_start, n, kv_len, head, s_t, s_h, HEAD_DIM, BLOCK_N)
+
+
+@triton.jit
+def _store_key_rows(ptr, slot, kv_start, n, kv_len, head, s_t, s_h, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`_store_keys` from registers: `slot` read back in the store's layout (one pass where the store's own
+    layout conversion of the fp32 product took four), keys past kv_len masked."""
+    keys = n + tl.arange(0, BLOCK_N)
+    rows = tl.cast(kv_start + keys, tl.int64) * s_t + tl.cast(head, tl.int64) * s_h
+    tl.store(ptr + rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], tlx.local_load(slot), mask=(keys < kv_len)[:, None])
+
+
+@triton.jit
 def _store_dq(dq, DQ, q_offsets, out_offsets, dest, head, row_ok, sdq_t, sdq_h, cid: tl.constexpr, DT: tl.constexpr,
               BLOCK_M: tl.constexpr, COLS: tl.constexpr, DQ_PARTIAL: tl.constexpr):
     """Consumer `cid`'s columns of a segment's dq (times the scale) at sequence dest's rows: the fp32 partial at
-    its output rows when DQ_PARTIAL, else dq itself at its query rows."""
+    its output rows when DQ_PARTIAL, else dq itself at its query rows.
+
+    Stored in eight column parts: the store's layout conversion goes through shared memory, and a part's needs
+    an eighth of the whole's (16 KB a consumer in fp32), which is what makes the K ring of 4 and the V ring of 3
+    fit."""
     offs_q = tl.arange(0, BLOCK_M)
     if DQ_PARTIAL:
         dq_rows = tl.cast(tl.load(out_offsets + dest) + offs_q, tl.int64) * sdq_t + tl.cast(head, tl.int64) * sdq_h
-        # in four column quarters: the layout conversion of the store goes through shared memory, and a
-        # quarter's needs a quarter of the whole's 16 KB a consumer (what makes the K ring of 4 fit)
-        Q4: tl.constexpr = COLS // 4
-        quarters = tl.permute(tl.reshape(dq, [BLOCK_M, 2, 2, Q4]), [0, 3, 1, 2])
-        half_0, half_1 = tl.split(quarters)  # b = 0, 1 of column a·2·Q4 + b·Q4 + j
-        q00, q10 = tl.split(half_0)
-        q01, q11 = tl.split(half_1)
-        cols_q = cid * COLS + tl.arange(0, Q4)
-        base = DQ + dq_rows[:, None] + cols_q[None, :]
-        tl.store(base, q00, mask=row_ok[:, None])
-        tl.store(base + Q4, q01, mask=row_ok[:, None])
-        tl.store(base + 2 * Q4, q10, mask=row_ok[:, None])
-        tl.store(base + 3 * Q4, q11, mask=row_ok[:, None])
+        value = dq
     else:
         dq_rows = tl.cast(tl.load(q_offsets + dest) + offs_q, tl.int64) * sdq_t + tl.cast(head, tl.int64) * sdq_h
-        cols = cid * COLS + tl.arange(0, COLS)
-        tl.store(DQ + dq_rows[:, None] + cols[None, :], dq.to(DT), mask=row_ok[:, None])
+        value = dq.to(DT)
+    P8: tl.constexpr = COLS // 8
+    base = DQ + dq_rows[:, None] + (cid * COLS + tl.arange(0, P8))[None, :]
+    # [i, j, a, b, c] holds column (4a + 2b + c)·P8 + j; each split takes the last bit off.
+    parts = tl.permute(tl.reshape(value, [BLOCK_M, 2, 2, 2, P8]), [0, 4, 1, 2, 3])
+    c0, c1 = tl.split(parts)
+    c0b0, c0b1 = tl.split(c0)
+    c1b0, c1b1 = tl.split(c1)
+    _store_column_parts(base, c0b0, 0, row_ok, P8)
+    _store_column_parts(base, c1b0, P8, row_ok, P8)
+    _store_column_parts(base, c0b1, 2 * P8, row_ok, P8)
+    _store_column_parts(base, c1b1, 3 * P8, row_ok, P8)
+
+
+@triton.jit
+def _store_column_parts(base, pair, column, row_ok, P8: tl.constexpr):
+    """The two parts of `pair` ([rows, P8, 2]: a = 0, 1) at columns `column` and `column` + 4·P8 of `base`."""
+    a0, a1 = tl.split(pair)
+    tl.store(base + column, a0, mask=row_ok[:, None])
+    tl.store(base + column + 4 * P8, a1, mask=row_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["n_heads", "window", "stat_h", "q_rows", "out_rows", "kv_rows"])
 def short_ws_kernel(
-    desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, Out, DQ, DK, DV,
+    desc_q, desc_do, desc_k, desc_v, desc_m, desc_l, Out, DQ, DK, DV, desc_dk, desc_dv,
     tiles, lists, list_starts, q_offsets, out_offsets, kv_offsets,
     sq_h, sdo_h, so_t, so_h, sk_h, sv_h, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h, q_rows, out_rows, kv_rows,
     scale_log2, sm_scale, window, n_heads,
@@ -661,7 +701,8 @@ def short_ws_kernel(
                         HAS_WINDOW, CAUSAL)
         with tlx.async_task(num_warps=4, registers=CONSUMER_REGISTERS, replicate=2):
             _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, q_full, q_empty, k_full,
-                         k_empty, v_full, v_empty, ds_tiles, ds_free, Out, so_t, so_h, DQ, DK, DV, tiles, lists,
+                         k_empty, v_full, v_empty, ds_tiles, ds_free, Out, so_t, so_h, DQ, DK, DV, desc_dk, desc_dv,
+                         tiles, lists,
                          list_starts, q_offsets, out_offsets, kv_offsets, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h,
                          stat_h, scale_log2, sm_scale, window, n_heads, tlx.async_task_replica_id(), HEAD_DIM,
                          BLOCK_M, BLOCK_N, K_BUFFERS, V_BUFFERS, NEG_SCALE, HAS_WINDOW, CAUSAL, DQ_PARTIAL)

@@ -93,7 +93,7 @@ def short_kernel(dtype: str, d: int, causal: bool, window: bool, neg: bool, dq_p
     constexprs = dict(HEAD_DIM=d, BLOCK_M=SHORT_BLOCK_M, BLOCK_N=SHORT_BLOCK_N, K_BUFFERS=SHORT_K_BUFFERS,
                       V_BUFFERS=SHORT_V_BUFFERS, NEG_SCALE=neg, HAS_WINDOW=window, CAUSAL=causal, DQ_PARTIAL=dq_partial)
     descriptors = {"desc_q": f"{dtype}[{SHORT_BLOCK_M},{d}]", "desc_do": f"{dtype}[{SHORT_BLOCK_M},{d}]",
-                   "desc_k": f"{dtype}[{SHORT_BLOCK_N},{d}]", "desc_v": f"{dtype}[{SHORT_BLOCK_N},{d}]",
+                   **{name: f"{dtype}[{SHORT_BLOCK_N},{d}]" for name in ("desc_k", "desc_v", "desc_dk", "desc_dv")},
                    **{name: f"fp32[{2 * SHORT_BLOCK_M}]" for name in ("desc_m", "desc_l")}}
     pointers = {"Out": dtype, "DQ": "fp32" if dq_partial else dtype, "DK": dtype, "DV": dtype, "lists": "i32",
                 "list_starts": "i32", **_INDEX_POINTERS}
