@@ -599,8 +599,9 @@ def test_descriptor_layouts_read_in_place_or_copy():
 def test_descriptors_are_made_at_the_launch_where_tma_reads_in_place():
     """A tensor TMA reads in place gets its descriptor at the launch (`jfa.launch.Deferred`, fingerprinted by the
     tensor's address, dtype, shape and strides), made with `descriptor_layout`'s view of it, or at once when not
-    deferred (the forward's); a tensor it cannot read gets one of a contiguous copy at once. The statistics
-    likewise: deferred when contiguous and at least a box long, else a copy padded with zeros to a box."""
+    deferred (the forward's); a tensor it cannot read gets one of a contiguous copy at once, unless the kernel
+    stores into it (`written`), which raises: the copy would lose the stores. The statistics likewise: deferred
+    when contiguous and at least a box long, else a copy padded with zeros to a box."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from jfa.launch import Deferred
@@ -621,6 +622,11 @@ def test_descriptors_are_made_at_the_launch_where_tma_reads_in_place():
     eager, head_stride = _descriptor(strided, 64)
     assert isinstance(eager, TensorDescriptor) and head_stride == 128
     assert eager.base.is_contiguous() and torch.equal(eager.base, strided)
+    with pytest.raises(RuntimeError, match="a copy would lose the stores"):  # a store target is never copied
+        _descriptor(strided, 64, written=True)
+    target = torch.empty(37, 4, 128, dtype=torch.bfloat16)  # as the op allocates dk and dv: in place
+    stored, _ = _descriptor(target, 64, written=True)
+    assert isinstance(stored, Deferred) and stored.value().base is target
 
     stats = torch.randn(4, 300)
     made = _statistics_descriptor(stats, 64)

@@ -190,10 +190,12 @@ def host_plan(problem: Problem, pack_block: int) -> HostPlan:
 # Launching.
 
 
-def _descriptor(x: torch.Tensor, box_rows: int, defer: bool = True):
+def _descriptor(x: torch.Tensor, box_rows: int, defer: bool = True, written: bool = False):
     """(TMA descriptor of x [T, H, D] as `descriptor_layout` sees it, with boxes of box_rows × D; x's head stride).
     Where TMA reads x in place and `defer`, the descriptor is made at the launch, only if that launch is not
-    prepared already (`jfa.launch.Deferred`); where TMA cannot, now, of a contiguous copy.
+    prepared already (`jfa.launch.Deferred`); where TMA cannot, now, of a contiguous copy. `written`: the kernel
+    stores into x through it, where a copy would lose the stores, so that case raises instead (the op allocates
+    such outputs contiguous, which TMA reads in place).
 
     Why the backward's launches defer and the forward's does not (`_launch_tlx`): the first backward launch waits
     for its host work while the GPU idles (the forward's kernels end before it), and deferring (every launch's
@@ -203,6 +205,9 @@ def _descriptor(x: torch.Tensor, box_rows: int, defer: bool = True):
     (not explained)."""
     layout = descriptor_layout(x)
     if layout is None:
+        if written:
+            raise RuntimeError(f"a TMA store target of shape {tuple(x.shape)}, strides {x.stride()} that TMA cannot "
+                               "address in place (a copy would lose the stores)")
         x = x.contiguous()
         layout = descriptor_layout(x)
     elif defer:
@@ -461,8 +466,7 @@ def _launch_short(q, k, v, out, dout, dq, dk, dv, row_max, row_sum, schedule: ts
     desc_do, sdo_h = _descriptor(dout, SHORT_BLOCK_M)
     desc_k, sk_h = _descriptor(k, SHORT_BLOCK_N)
     desc_v, sv_h = _descriptor(v, SHORT_BLOCK_N)
-    # dk and dv: written by TMA in place (the op allocates them contiguous, so `_descriptor` copies neither)
-    desc_dk, desc_dv = (_descriptor(x, SHORT_BLOCK_N)[0] for x in (dk, dv))
+    desc_dk, desc_dv = (_descriptor(x, SHORT_BLOCK_N, written=True)[0] for x in (dk, dv))
     desc_m, desc_l = (_statistics_descriptor(x, SHORT_BLOCK_M) for x in (row_max, row_sum))
     programs = _persistent_programs(schedule.short_bwd.n_tiles, device)
     tiles, rows, starts, sources = short_lists(problem, schedule, programs, problem.broadcast_q)
