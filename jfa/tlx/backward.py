@@ -488,8 +488,7 @@ def _zero_keys(DK, DV, kv_start, head, start, end, sdk_t, sdk_h, sdv_t, sdv_h, D
 def _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, q_full, q_empty, k_full, k_empty,
                  v_full, v_empty, ds_tiles, ds_free, Out, so_t, so_h, DQ, DK, DV, desc_dk, desc_dv, tiles, lists,
                  list_starts, q_offsets, out_offsets, kv_offsets, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h, stat_h,
-                 scale_log2,
-                 sm_scale, window, n_heads,
+                 scale_log2, sm_scale, window, n_heads,
                  cid: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_BUFFERS: tl.constexpr,
                  V_BUFFERS: tl.constexpr, NEG_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
@@ -702,7 +701,6 @@ def short_ws_kernel(
         with tlx.async_task(num_warps=4, registers=CONSUMER_REGISTERS, replicate=2):
             _short_tiles(q_tile, do_tile, k_tiles, v_tiles, m_tile, l_tile, delta_tile, q_full, q_empty, k_full,
                          k_empty, v_full, v_empty, ds_tiles, ds_free, Out, so_t, so_h, DQ, DK, DV, desc_dk, desc_dv,
-                         tiles, lists,
-                         list_starts, q_offsets, out_offsets, kv_offsets, sdq_t, sdq_h, sdk_t, sdk_h, sdv_t, sdv_h,
-                         stat_h, scale_log2, sm_scale, window, n_heads, tlx.async_task_replica_id(), HEAD_DIM,
-                         BLOCK_M, BLOCK_N, K_BUFFERS, V_BUFFERS, NEG_SCALE, HAS_WINDOW, CAUSAL, DQ_PARTIAL)
+                         tiles, lists, list_starts, q_offsets, out_offsets, kv_offsets, sdq_t, sdq_h, sdk_t, sdk_h,
+                         sdv_t, sdv_h, stat_h, scale_log2, sm_scale, window, n_heads, tlx.async_task_replica_id(),
+                         HEAD_DIM, BLOCK_M, BLOCK_N, K_BUFFERS, V_BUFFERS, NEG_SCALE, HAS_WINDOW, CAUSAL, DQ_PARTIAL)
