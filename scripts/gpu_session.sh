@@ -21,12 +21,20 @@ FBT=/tmp/fbt
 
 # REQUIRE_CARD (e.g. H200): no stage runs unless every GPU's name contains it. A device call that names the
 # H200 kind may be given an H100, and an H200 table's figures or an H200 baseline's update must not come from
-# one. The cards found go to $OUT/card.txt; exit 3.
+# one. The cards found go to $OUT/card.txt; exit 3, or, with OTHER_CARD_STAGES (stages as on the command line,
+# e.g. "repeat:tlx:500 sanitizer:memcheck:tlx"), run those instead: work whose findings hold on any card, so that
+# a machine that took minutes to start is not handed back idle.
 if [ -n "${REQUIRE_CARD:-}" ]; then
   cards=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>&1)
   if [ -z "$cards" ] || grep -v -q -F -- "$REQUIRE_CARD" <<< "$cards"; then
-    echo "REQUIRE_CARD=$REQUIRE_CARD, but the GPUs are: ${cards:-none}; no stage run" | tee "$OUT/card.txt"
-    exit 3
+    if [ -z "${OTHER_CARD_STAGES:-}" ]; then
+      echo "REQUIRE_CARD=$REQUIRE_CARD, but the GPUs are: ${cards:-none}; no stage run" | tee "$OUT/card.txt"
+      exit 3
+    fi
+    echo "REQUIRE_CARD=$REQUIRE_CARD, but the GPUs are: ${cards:-none}; running OTHER_CARD_STAGES instead:" \
+      "$OTHER_CARD_STAGES" | tee "$OUT/card.txt"
+    read -ra other_stages <<< "$OTHER_CARD_STAGES"
+    set -- "${other_stages[@]}"
   fi
 fi
 

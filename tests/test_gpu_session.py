@@ -59,6 +59,29 @@ def test_require_card_runs_no_stage_on_another_card(tmp_path, cards, required, r
         assert (out / "card.txt").read_text().startswith(f"REQUIRE_CARD={required}, but the GPUs are: ")
 
 
+@pytest.mark.parametrize(("cards", "other_card"), [("NVIDIA H100 80GB HBM3", True), ("NVIDIA H200", False)])
+def test_other_card_stages_run_instead_on_another_card(tmp_path, cards, other_card):
+    """With OTHER_CARD_STAGES, a machine whose cards fail REQUIRE_CARD runs those stages instead of none (here an
+    `ab` stage, through the stand-in probe) and says so in card.txt; the required card runs the command line's."""
+    stub = _stand_in_probe(tmp_path)
+    smi = stub / "nvidia-smi"
+    smi.write_text(f'#!/bin/bash\n[[ "$*" == *--query-gpu=name,* ]] && echo "name, driver"\nprintf "{cards}"\n')
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{stub}:{os.environ['PATH']}", OUT=str(out), REQUIRE_CARD="H200",
+               OTHER_CARD_STAGES="ab:scratch/base", AB_ROWS="gem", AB_ROUNDS="1")
+    proc = subprocess.run(["bash", "scripts/gpu_session.sh", "env"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "env.txt").exists() is not other_card
+    assert (out / "ab.txt").exists() is other_card
+    if other_card:
+        assert (out / "card.txt").read_text() == (
+            f"REQUIRE_CARD=H200, but the GPUs are: {cards}; running OTHER_CARD_STAGES instead: ab:scratch/base\n")
+    else:
+        assert not (out / "card.txt").exists()
+
+
 def _stand_in_probe(tmp_path) -> Path:
     """A `python3` first on PATH whose `scripts/ab_probe.py measure` records its side and PYTHONPATH and writes a
     record per row (kernel ms by side: base 4, mine 3, a candidate 2; short_ws_kernel a quarter of it for a
