@@ -27,12 +27,12 @@ FBT=/tmp/fbt
 if [ -n "${REQUIRE_CARD:-}" ]; then
   cards=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>&1)
   if [ -z "$cards" ] || grep -v -q -F -- "$REQUIRE_CARD" <<< "$cards"; then
+    found="REQUIRE_CARD=$REQUIRE_CARD, but the GPUs are: ${cards:-none}"
     if [ -z "${OTHER_CARD_STAGES:-}" ]; then
-      echo "REQUIRE_CARD=$REQUIRE_CARD, but the GPUs are: ${cards:-none}; no stage run" | tee "$OUT/card.txt"
+      echo "$found; no stage run" | tee "$OUT/card.txt"
       exit 3
     fi
-    echo "REQUIRE_CARD=$REQUIRE_CARD, but the GPUs are: ${cards:-none}; running OTHER_CARD_STAGES instead:" \
-      "$OTHER_CARD_STAGES" | tee "$OUT/card.txt"
+    echo "$found; running OTHER_CARD_STAGES instead: $OTHER_CARD_STAGES" | tee "$OUT/card.txt"
     read -ra other_stages <<< "$OTHER_CARD_STAGES"
     set -- "${other_stages[@]}"
   fi
