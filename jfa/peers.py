@@ -180,6 +180,10 @@ class Flex:
             return f"torch {torch.__version__} has no flex_attention ({error})"
         return None
 
+    def invariance_waivers(self, device: torch.device) -> dict[str, str]:
+        return {"guarded_allocations": "flex_attention runs through torch.compile (eagerly too), which refuses to "
+                                       "trace under the suite's allocation-guarding dispatch mode (verify.guards)"}
+
     @staticmethod
     @functools.cache
     def _kernel(device_type: str):

@@ -79,6 +79,8 @@ BUGS = (
     Bug("saved_stats_overwritten", "the backward turns the row sums its forward saved into reciprocals in place "
         "(as a kernel writing them would: no version counter sees it): a second backward over a retained graph "
         "reads 1/l as l", "invariants:backward_again", ("uniform:0", "gem_like:0")),
+    Bug("tail_block_overrun", "the last query block is stored whole: the rows of out past its end are written "
+        "(into whatever memory follows)", "invariants:in_bounds", ("uniform:0", "gem_like:0")),
     Bug("offsets_cached_by_address", "host state kept per offsets buffer (keyed by its address): a buffer "
         "rewritten in place keeps the lengths of its first call", "invariants:offsets_reused",
         ("uniform:0", "gem_like:0"), op_level=True),
@@ -93,6 +95,15 @@ def _round(x: torch.Tensor, dtype: torch.dtype, truncate: bool = False) -> torch
     drop = 23 - round(-math.log2(torch.finfo(dtype).eps))
     bits = x.contiguous().view(torch.int32) & ~((1 << drop) - 1)
     return bits.view(torch.float32).to(dtype).float()
+
+
+def _store_past_end(t: torch.Tensor, rows: int) -> None:
+    """Zeros in the `rows` rows just past t's last one, as a kernel storing a whole last block writes them, as far
+    as t's allocation holds them (a guarded one holds GUARD_BYTES more, `verify.guards`). Past its allocation a
+    kernel writes into whatever memory follows, which an emulator cannot do safely: there it writes nothing."""
+    storage = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    end = (t.storage_offset() + t.shape[0] * t.stride(0)) * t.element_size()
+    storage[end:end + rows * t.stride(0) * t.element_size()] = 0
 
 
 class Emulator:
@@ -229,6 +240,8 @@ class Emulator:
             out[o0:o0 + keep] = o.transpose(0, 1)[:keep].to(dtype)
             lse[:, o0:o0 + q_len] = row_lse
             stats[0, :, o0:o0 + q_len], stats[1, :, o0:o0 + q_len] = m, l_sum
+        if self.bug == "tail_block_overrun":
+            _store_past_end(out, -rows % BLOCK_N)
         return out, lse, (stats,)
 
     # Backward ---------------------------------------------------------------------------------------------

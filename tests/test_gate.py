@@ -100,7 +100,7 @@ def test_suite_run_through_the_gate_passes(tmp_path):
                            "--plugin", "tests.planted", "-n", "0", "--out", str(out)], cwd=gate.REPO,
                           env=gate.suite_env(gate.REPO), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "compared 16 records with the baseline; 0 new" in proc.stdout  # out, lse, dq, dk, dv, 11 invariants
+    assert "compared 17 records with the baseline; 0 new" in proc.stdout  # out, lse, dq, dk, dv, 12 invariants
     assert "baseline: emulator" in proc.stdout
     device_line = next(line for line in proc.stdout.splitlines() if line.startswith("device_class"))
     assert device_line.split() == ["device_class", "cpu-interpreter", "cpu-interpreter"]

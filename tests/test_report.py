@@ -77,7 +77,7 @@ def test_report_lists_failures_with_location_and_replay(records, tmp_path):
     assert "tlx</td><td>(all)</td>" in page
     # invariants of the emulator on uniform:0: eleven, all passing
     invariants = page.split('id="invariants"')[1].split("</table>")[0]
-    assert invariants.count("<tr>") == 1 + 11 and "fail</span>" not in invariants
+    assert invariants.count("<tr>") == 1 + 12 and "fail</span>" not in invariants
 
 
 def test_two_device_classes_are_merged_side_by_side(records, tmp_path):

@@ -1,13 +1,17 @@
-"""The invariants of DESIGN.md checked exactly (bitwise): every element written, repeatable runs,
-deterministic dq, a second backward over a retained graph, offsets buffers reused, padding insensitivity,
-batch invariance, sequence isolation (a NaN inside one sequence reaches no other), inputs untouched."""
+"""The invariants of DESIGN.md checked exactly (bitwise): every element written, no write outside the buffers a
+call allocates, repeatable runs, deterministic dq, a second backward over a retained graph, offsets buffers
+reused, padding insensitivity, batch invariance, sequence isolation (a NaN inside one sequence reaches no
+other), inputs untouched."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from jfa.problem import Problem
 from verify.context import CaseContext
+from verify.guards import GuardedAllocations
 from verify.runner import Outputs, is_device_fault, nan_filled_allocations, run, run_backwards
 
 
@@ -139,6 +143,7 @@ def _unwritten(outputs: Outputs, ctx: CaseContext) -> list[str]:
 # reduce), so the padding and batch checks compare dq between deterministic=True runs instead (the contract
 # promises a reproducible dq only there; out, lse, dk and dv are still compared in the default mode).
 WAIVABLE = {"run_to_run": ("repeatable", "deterministic"), "retained_graph": ("backward_again",),
+            "guarded_allocations": ("in_bounds",),
             "batch": ("padding", "batch_permuted", "batch_alone"), "dq_order": (), "isolation": ("isolation",),
             "isolation_grad": ("isolation_grad",)}
 
@@ -165,10 +170,7 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
         # dq may use atomics unless deterministic=True; everything else must repeat bitwise regardless.
         findings["repeatable"] = _differences(base, run(fn, *args, inputs.kwargs, backward=True),
                                               ("out", "lse", "dk", "dv"))
-    # Compared with the reference, not with `base`: torch-based backends may pick other (deterministic)
-    # library kernels in this mode.
-    with nan_filled_allocations():
-        findings["written"] = _unwritten(run(fn, *args, inputs.kwargs, backward=True), ctx)
+    findings.update(_written_in_bounds(fn, args, ctx, "guarded_allocations" not in waived))
     retained = None
     if "retained_graph" not in waived:
         findings["backward_again"], retained = _backward_again(fn, args, inputs.kwargs)
@@ -219,6 +221,27 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
                 findings["offsets_reused"] = _rerun_in(sub_args[3:5], fn, inputs, base)
 
     return _with_inputs_check(findings, inputs, before)
+
+
+def _written_in_bounds(fn, args, ctx: CaseContext, guarded: bool) -> dict[str, list[str]]:
+    """One run with fresh allocations NaN-filled: `written`, every output element finite where the reference
+    is (compared with the reference, not with `base`: torch-based backends may pick other, deterministic,
+    library kernels in this mode); with `guarded`, the same run's buffers guarded (`verify.guards`):
+    `in_bounds`, none written outside itself."""
+    guards = GuardedAllocations(ctx.inputs.q.device, ctx.case.seed) if guarded else None
+    try:
+        with nan_filled_allocations(), guards or contextlib.nullcontext():
+            outputs = run(fn, *args, ctx.inputs.kwargs, backward=True)
+    except RuntimeError as error:
+        if guards is None or is_device_fault(error):
+            raise
+        raise RuntimeError(f"the call raised under the suite's allocation guards (verify.guards; a backend "
+                           f"that cannot run under a TorchDispatchMode, such as one compiled by torch.compile, "
+                           f"declares the waiver group 'guarded_allocations'): {error}") from error
+    findings = {"written": _unwritten(outputs, ctx)}
+    if guards is not None:
+        findings["in_bounds"] = guards.stray_writes()
+    return findings
 
 
 def _backward_again(fn, args, kwargs: dict) -> tuple[list[str], Outputs | None]:

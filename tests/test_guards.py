@@ -1,0 +1,123 @@
+"""verify.guards: guarded buffers behave as the ones they replace, and a write past either end is named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from fixtures import case_from_id, make_inputs
+from jfa.backends import attention_fn
+from verify.guards import GUARD_BYTES, GuardedAllocations
+from verify.runner import nan_filled_allocations, run
+
+CPU = torch.device("cpu")
+
+FACTORIES = {
+    "empty": lambda: torch.empty(5, 3, dtype=torch.bfloat16),
+    "empty_strided": lambda: torch.empty_strided((4, 3), (1, 8), dtype=torch.float32),
+    "zeros": lambda: torch.zeros(7, dtype=torch.int32),
+    "ones": lambda: torch.ones(2, 3, dtype=torch.float16),
+    "full": lambda: torch.full((3, 2), -float("inf")),
+    "new_zeros": lambda: torch.arange(3.0).new_zeros(6, 1),
+    "new_full": lambda: torch.arange(3).new_full((4,), 7),
+    "new_empty": lambda: torch.arange(3.0).new_empty(9),
+    "zeros_like": lambda: torch.zeros_like(torch.arange(10.0).view(2, 5).t()),
+    "empty_like": lambda: torch.empty_like(torch.arange(4, dtype=torch.float64)),
+}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("factory", FACTORIES, ids=str)
+def test_a_guarded_buffer_is_the_buffer_it_replaces(factory):
+    """Shape, strides, dtype and contents (NaN-filled where fresh memory is) as without the guards, at
+    GUARD_BYTES into its allocation, whose 512-byte alignment it keeps; untouched, it reports nothing."""
+    make = FACTORIES[factory]
+    with nan_filled_allocations():
+        plain = make()
+        with GuardedAllocations(CPU) as guards:
+            guarded = make()
+    assert (guarded.shape, guarded.stride(), guarded.dtype) == (plain.shape, plain.stride(), plain.dtype)
+    assert _same_bits(guarded, plain)
+    (entry,) = guards.guarded
+    assert guarded.data_ptr() - entry.buffer.data_ptr() == GUARD_BYTES
+    assert guarded.data_ptr() % 512 == entry.buffer.data_ptr() % 512
+    assert guards.stray_writes() == []
+
+
+def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The whole allocation behind t as bytes, as a kernel's pointer arithmetic reaches it."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+
+
+@pytest.mark.parametrize("side", ["before", "after"])
+@pytest.mark.parametrize("distance", [1, 37, GUARD_BYTES])
+def test_a_write_outside_a_buffer_is_named_with_its_site_and_distance(side, distance):
+    """One changed byte `distance` bytes outside one of two buffers: that buffer alone is named, with the
+    line that allocated it and the distance."""
+    with GuardedAllocations(CPU, seed=distance) as guards:
+        t = torch.zeros(3, 5, dtype=torch.float32)
+        torch.empty(4, dtype=torch.int64)
+    raw = _raw_bytes(t)
+    start = t.storage_offset() * t.element_size()  # the view's first byte in the allocation
+    byte = start - distance if side == "before" else start + t.numel() * t.element_size() + distance - 1
+    raw[byte] = ~raw[byte]  # a changed byte whatever the pattern held
+    (problem,) = guards.stray_writes()
+    what, site = problem.split(": ", 1)[0].split(" at ")
+    assert what == "zeros [3, 5] float32"
+    path, line = site.split(":")
+    assert Path(path).resolve() == Path(__file__).resolve()
+    assert "t = torch.zeros(3, 5" in Path(path).read_text().splitlines()[int(line) - 1]
+    sign, nearest = ("-", "nearest") if side == "before" else ("+", "first")
+    offset = distance if side == "before" else distance - 1
+    assert problem.endswith(f"1 of the {GUARD_BYTES} guard bytes {side} it changed, the {nearest} at byte "
+                            f"{sign}{offset})")
+
+
+@triton.jit
+def _store_block(out, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    value = tl.full([BLOCK], 1.5, tl.float32)
+    if MASKED:
+        tl.store(out + offs, value, mask=offs < n)
+    else:
+        tl.store(out + offs, value)
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_a_triton_kernel_storing_a_whole_block_past_its_buffer_is_caught(masked):
+    """The interpreter runs a kernel on the allocation behind its arguments, as the GPU does: a block stored
+    without its mask past a 13-element buffer lands in the guard."""
+    n, block = 13, 16
+    with GuardedAllocations(CPU, seed=n) as guards:
+        out = torch.empty(n, dtype=torch.float32)
+        _store_block[(1,)](out, n, BLOCK=block, MASKED=masked)
+    assert torch.equal(out, torch.full((n,), 1.5))
+    problems = guards.stray_writes()
+    if masked:
+        assert problems == []
+    else:
+        (problem,) = problems
+        assert "written past its end" in problem and "the first at byte +0)" in problem
+        assert f"of the {GUARD_BYTES} guard bytes after it changed" in problem
+
+
+@pytest.mark.parametrize("case_id", ["uniform:1", "gqa:0", "broadcast_q:0"])
+def test_every_tensor_the_op_returns_is_guarded_backward_included(case_id):
+    """The Triton backend's out and lse (forward) and dq, dk, dv (backward, through autograd) are guarded
+    buffers of the call, and a correct kernel leaves every guard intact."""
+    inputs = make_inputs(case_from_id(case_id))
+    fn, _ = attention_fn("triton")
+    with GuardedAllocations(CPU, seed=1) as guards:
+        outputs = run(fn, inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout,
+                      inputs.kwargs, backward=True)
+    allocations = {entry.buffer.data_ptr() for entry in guards.guarded}
+    unguarded = [name for name, t in outputs.named().items() if t.untyped_storage().data_ptr() not in allocations]
+    assert unguarded == []
+    assert guards.stray_writes() == []
