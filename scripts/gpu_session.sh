@@ -114,11 +114,15 @@ stage_tune() {
 
 # sanitizer TOOL BACKEND [SHARD]: compute-sanitizer's TOOL (memcheck, racecheck, ...) over the smoke profile, or
 # its shard i/n (racecheck slows TLX launches so much that the whole profile outlasts one device call); PYTEST_ARGS
-# are added to pytest's (e.g. -k backward).
+# are added to pytest's (e.g. -k backward). memcheck and initcheck run with PyTorch's caching allocator off: it
+# carves tensors out of large cudaMalloc segments, and an access past a tensor that stays inside its segment is one
+# those tools cannot see (pytorch/pytorch#45294); uncached, every tensor is an allocation of its own.
 stage_sanitizer() {
-  local tool=$1 backend=$2 shard=${3:-0/1}
+  local tool=$1 backend=$2 shard=${3:-0/1} uncached=()
   local name=sanitizer_${tool}_${backend}_${shard/\//of}
-  for_backends "$backend" timeout ${SANITIZER_TIMEOUT:-240} compute-sanitizer --tool "$tool" --error-exitcode 9 \
+  [[ $tool == memcheck || $tool == initcheck ]] && uncached=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+  for_backends "$backend" "${uncached[@]}" timeout ${SANITIZER_TIMEOUT:-240} compute-sanitizer --tool "$tool" \
+    --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider verify/ --jfa-profile smoke --jfa-backend "$backend" --shard "$shard" \
     ${PYTEST_ARGS:-} --jfa-results /tmp/jfa/$name.jsonl > /tmp/jfa/$name.log 2>&1
   echo "$name: exit $?" | tee -a "$OUT/timings.txt"

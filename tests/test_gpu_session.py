@@ -137,3 +137,27 @@ def test_ab_stage_measures_each_candidate_in_every_round(tmp_path):
     env["AB_MORE"] = "scratch/mine"
     proc = ab_stage()
     assert "AB_MORE: scratch/mine: a candidate's name is its side's, not base or mine" in proc.stdout
+
+
+def test_memcheck_runs_with_the_caching_allocator_off(tmp_path):
+    """memcheck and initcheck see an access past a tensor only when the tensor is an allocation of its own, so
+    their stages turn PyTorch's caching allocator off; racecheck (shared memory) keeps it. A stand-in
+    compute-sanitizer records the setting and the command it was given."""
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    sanitizer = stub / "compute-sanitizer"
+    sanitizer.write_text('#!/bin/bash\n'
+                         'echo "${PYTORCH_NO_CUDA_MEMORY_CACHING:-unset} $*" >> "$OUT/sanitizer_calls.txt"\n')
+    sanitizer.chmod(sanitizer.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{stub}:{os.environ['PATH']}", OUT=str(out))
+    env.pop("PYTORCH_NO_CUDA_MEMORY_CACHING", None)
+    stages = ["sanitizer:memcheck:triton", "sanitizer:racecheck:triton:1/3", "sanitizer:initcheck:triton"]
+    proc = subprocess.run(["bash", "scripts/gpu_session.sh", *stages], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    calls = [line.split(" --jfa-results")[0] for line in (out / "sanitizer_calls.txt").read_text().splitlines()]
+    common = ("--error-exitcode 9 python3 -m pytest -q -p no:cacheprovider verify/ --jfa-profile smoke "
+              "--jfa-backend triton")
+    assert calls == [f"1 --tool memcheck {common} --shard 0/1", f"unset --tool racecheck {common} --shard 1/3",
+                     f"1 --tool initcheck {common} --shard 0/1"]
