@@ -8,6 +8,8 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fixtures import case_from_id, make_inputs
 from jfa.backends import attention_fn
@@ -78,6 +80,31 @@ def test_a_write_outside_a_buffer_is_named_with_its_site_and_distance(side, dist
     offset = distance if side == "before" else distance - 1
     assert problem.endswith(f"1 of the {GUARD_BYTES} guard bytes {side} it changed, the {nearest} at byte "
                             f"{sign}{offset})")
+
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64, torch.uint8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 300), st.sampled_from(DTYPES), st.integers(-GUARD_BYTES - 16, 300 * 8 + GUARD_BYTES + 16),
+       st.integers(0, 2**31 - 1))
+def test_a_byte_changed_anywhere_is_reported_exactly_when_it_lies_outside_the_buffer(numel, dtype, offset, seed):
+    """A byte changed at `offset` from the buffer's first byte: reported, at that distance, when it falls in a
+    guard; nothing when it falls inside the buffer (or past the guards, which no check claims)."""
+    with GuardedAllocations(CPU, seed=seed) as guards:
+        t = torch.zeros(numel, dtype=dtype)
+    size = numel * t.element_size()
+    byte = t.storage_offset() * t.element_size() + offset
+    raw = _raw_bytes(t)
+    if 0 <= byte < raw.numel():
+        raw[byte] = ~raw[byte]
+    problems = guards.stray_writes()
+    if -GUARD_BYTES <= offset < 0:
+        assert len(problems) == 1 and problems[0].endswith(f"the nearest at byte -{-offset})")
+    elif size <= offset < size + GUARD_BYTES:
+        assert len(problems) == 1 and problems[0].endswith(f"the first at byte +{offset - size})")
+    else:
+        assert problems == []
 
 
 @triton.jit
