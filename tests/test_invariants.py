@@ -223,3 +223,26 @@ class _ScaledGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.factor, None
+
+
+def test_a_backend_refusing_the_allocation_guards_is_told_why_unless_it_waives_them():
+    """A call that raises under the guards' dispatch mode (as torch.compile'd code does) fails the invariants with
+    an error naming the waiver group; declared, the written check runs without the guards and in_bounds is
+    reported not applicable."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from verify.invariants import check_all
+
+    model, _ = attention_fn("bf16-model")
+
+    def refusing(*args, **kwargs):
+        if _get_current_dispatch_mode() is not None:
+            raise RuntimeError("non-infra torch dispatch mode present")
+        return model(*args, **kwargs)
+
+    ctx = case_context("uniform:0", "cpu")
+    with pytest.raises(RuntimeError, match="declares the waiver group 'guarded_allocations'.*non-infra"):
+        check_all(refusing, ctx)
+    findings = check_all(refusing, ctx, {"guarded_allocations": "compiled"})
+    assert findings["in_bounds"] == "compiled" and findings["written"] == [], findings
+    assert not any(problems for problems in findings.values() if isinstance(problems, list)), findings
