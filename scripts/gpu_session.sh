@@ -178,11 +178,13 @@ stage_scaling() {
 }
 
 # repeat [BACKEND [RUNS]]: python -m verify.repeat on the scheduling-adversarial cases, RUNS (200) runs each, with
-# deterministic=True (dq too must repeat bitwise) and then in the default mode (out, lse, dk, dv).
+# deterministic=True (dq too must repeat bitwise) and then in the default mode (out, lse, dk, dv); every run after
+# the first starts amid other work on the GPU (--perturb; REPEAT_ARGS are added, e.g. --seed 1).
 stage_repeat() {
   local backend=${1:-triton} runs=${2:-200} mode
   for mode in --deterministic ""; do
-    for_backends "$backend" timeout 240 python3 -m verify.repeat --backend "$backend" --runs "$runs" $mode 2>&1 |
+    for_backends "$backend" timeout 240 python3 -m verify.repeat --backend "$backend" --runs "$runs" --perturb $mode \
+      ${REPEAT_ARGS:-} 2>&1 |
       tee -a "$OUT/repeat_$backend.txt"
   done
 }

@@ -65,3 +65,28 @@ def counting_model(*args, **kwargs):
 
 
 counting_model.calls = 0
+
+
+class ScaledGradient(torch.autograd.Function):
+    """Identity whose backward scales the gradient by `factor`, fixed at the forward."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def drifting_model(q, *args, **kwargs):
+    """The bf16 model ("tests.helpers:drifting_model") whose dq is scaled by 1 + 2^-6 per call made before it
+    (at least a bf16 ulp): every call's dq differs, its out, lse, dk and dv do not."""
+    from jfa.backends import attention_fn
+
+    drifting_model.calls += 1
+    return attention_fn("bf16-model")[0](ScaledGradient.apply(q, 1 + 2.0**-6 * drifting_model.calls), *args, **kwargs)
+
+
+drifting_model.calls = 0

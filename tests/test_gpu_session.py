@@ -161,3 +161,22 @@ def test_memcheck_runs_with_the_caching_allocator_off(tmp_path):
               "--jfa-backend triton")
     assert calls == [f"1 --tool memcheck {common} --shard 0/1", f"unset --tool racecheck {common} --shard 1/3",
                      f"1 --tool initcheck {common} --shard 0/1"]
+
+
+def test_repeat_stage_perturbs_both_modes(tmp_path):
+    """The repeat stage runs verify.repeat with --perturb, deterministic first, then the default mode, with
+    REPEAT_ARGS added; a stand-in python3 records the calls."""
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    python = stub / "python3"
+    python.write_text(f'#!/bin/bash\nif [[ "$1 $2" == "-m verify.repeat" ]]; then echo "${{*:3}}" >> "$OUT/calls.txt";'
+                      f' exit 0; fi\nexec {sys.executable} "$@"\n')
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{stub}:{os.environ['PATH']}", OUT=str(out), REPEAT_ARGS="--seed 3")
+    proc = subprocess.run(["bash", "scripts/gpu_session.sh", "repeat:triton:50"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "calls.txt").read_text().splitlines() == [
+        "--backend triton --runs 50 --perturb --deterministic --seed 3",
+        "--backend triton --runs 50 --perturb --seed 3"]

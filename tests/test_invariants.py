@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from jfa.backends import attention_fn
-from tests.helpers import counting_model
+from tests.helpers import ScaledGradient, counting_model
 from verify.checks import check_case
 from verify.context import case_context
 from verify.invariants import compare_sub_batch, sub_batch
@@ -206,23 +206,10 @@ def test_the_retained_graph_first_backward_is_the_deterministic_checks_second_ru
 
     def drifting(q, k, v, *args, **kwargs):  # each call's dq scaled by its own factor, both its backwards alike
         calls.append(True)
-        return model(_ScaledGradient.apply(q, 1 + 2.0**-6 * len(calls)), k, v, *args, **kwargs)
+        return model(ScaledGradient.apply(q, 1 + 2.0**-6 * len(calls)), k, v, *args, **kwargs)
 
     failed = [k for k, v in check_all(drifting, ctx).items() if v]
     assert "deterministic" in failed and "backward_again" not in failed, failed
-
-
-class _ScaledGradient(torch.autograd.Function):
-    """Identity whose backward scales the gradient by `factor`, fixed at the forward."""
-
-    @staticmethod
-    def forward(ctx, x, factor):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
 
 
 def test_a_backend_refusing_the_allocation_guards_is_told_why_unless_it_waives_them():
