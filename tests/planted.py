@@ -97,7 +97,7 @@ def _round(x: torch.Tensor, dtype: torch.dtype, truncate: bool = False) -> torch
     return bits.view(torch.float32).to(dtype).float()
 
 
-def _store_past_end(t: torch.Tensor, rows: int) -> None:
+def store_past_end(t: torch.Tensor, rows: int) -> None:
     """Zeros in the `rows` rows just past t's last one, as a kernel storing a whole last block writes them, as far
     as t's allocation holds them (a guarded one holds GUARD_BYTES more, `verify.guards`). Past its allocation a
     kernel writes into whatever memory follows, which an emulator cannot do safely: there it writes nothing."""
@@ -241,7 +241,7 @@ class Emulator:
             lse[:, o0:o0 + q_len] = row_lse
             stats[0, :, o0:o0 + q_len], stats[1, :, o0:o0 + q_len] = m, l_sum
         if self.bug == "tail_block_overrun":
-            _store_past_end(out, -rows % BLOCK_N)
+            store_past_end(out, -rows % BLOCK_N)
         return out, lse, (stats,)
 
     # Backward ---------------------------------------------------------------------------------------------

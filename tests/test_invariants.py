@@ -233,3 +233,24 @@ def test_a_backend_refusing_the_allocation_guards_is_told_why_unless_it_waives_t
     findings = check_all(refusing, ctx, {"guarded_allocations": "compiled"})
     assert findings["in_bounds"] == "compiled" and findings["written"] == [], findings
     assert not any(problems for problems in findings.values() if isinstance(problems, list)), findings
+
+
+def test_a_stray_write_of_the_deterministic_path_alone_is_caught_in_the_retained_graph_run():
+    """The retained graph's run (deterministic=True) is guarded too: a backend whose deterministic path alone
+    writes past its output is named there, with the run; the default-mode written run stays clean."""
+    from tests.planted import store_past_end
+    from verify.invariants import check_all
+
+    model, _ = attention_fn("bf16-model")
+
+    def overrunning_when_deterministic(*args, deterministic=False, **kwargs):
+        out, lse = model(*args, deterministic=deterministic, **kwargs)
+        if deterministic:
+            store_past_end(out.detach(), 2)
+        return out, lse
+
+    findings = check_all(overrunning_when_deterministic, case_context("gqa:0", "cpu"))
+    assert [k for k, v in findings.items() if v] == ["in_bounds"], findings
+    (problem,) = findings["in_bounds"]
+    assert problem.startswith("deterministic=True, two backwards over one graph: ")
+    assert "written past its end" in problem

@@ -170,10 +170,22 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
         # dq may use atomics unless deterministic=True; everything else must repeat bitwise regardless.
         findings["repeatable"] = _differences(base, run(fn, *args, inputs.kwargs, backward=True),
                                               ("out", "lse", "dk", "dv"))
-    findings.update(_written_in_bounds(fn, args, ctx, "guarded_allocations" not in waived))
+    # Two runs guard their buffers (`verify.guards`): the written run, default mode, and the retained graph's,
+    # deterministic=True with two backwards (a dq_order backend's other kernel path among them).
+    guarded = "guarded_allocations" not in waived
+    # Compared with the reference, not with `base`: torch-based backends may pick other (deterministic)
+    # library kernels in this mode.
+    with nan_filled_allocations(), _guarded(ctx, guarded) as guards:
+        findings["written"] = _unwritten(run(fn, *args, inputs.kwargs, backward=True), ctx)
+    if guarded:
+        findings["in_bounds"] = guards.stray_writes()
     retained = None
     if "retained_graph" not in waived:
-        findings["backward_again"], retained = _backward_again(fn, args, inputs.kwargs)
+        with _guarded(ctx, guarded) as guards:
+            findings["backward_again"], retained = _backward_again(fn, args, inputs.kwargs)
+        if guarded:
+            findings["in_bounds"] += [f"deterministic=True, two backwards over one graph: {problem}"
+                                      for problem in guards.stray_writes()]
     first = ordered_base
     if "run_to_run" not in waived:
         if first is None:
@@ -223,25 +235,20 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
     return _with_inputs_check(findings, inputs, before)
 
 
-def _written_in_bounds(fn, args, ctx: CaseContext, guarded: bool) -> dict[str, list[str]]:
-    """One run with fresh allocations NaN-filled: `written`, every output element finite where the reference
-    is (compared with the reference, not with `base`: torch-based backends may pick other, deterministic,
-    library kernels in this mode); with `guarded`, the same run's buffers guarded (`verify.guards`):
-    `in_bounds`, none written outside itself."""
-    guards = GuardedAllocations(ctx.inputs.q.device, ctx.case.seed) if guarded else None
+@contextlib.contextmanager
+def _guarded(ctx: CaseContext, on: bool):
+    """The block under `verify.guards` when `on`, yielding the guards (else None and nothing). A call that
+    raises under them is told which waiver group says it cannot run there."""
+    guards = GuardedAllocations(ctx.inputs.q.device, ctx.case.seed) if on else None
     try:
-        with nan_filled_allocations(), guards or contextlib.nullcontext():
-            outputs = run(fn, *args, ctx.inputs.kwargs, backward=True)
+        with guards or contextlib.nullcontext():
+            yield guards
     except RuntimeError as error:
         if guards is None or is_device_fault(error):
             raise
         raise RuntimeError(f"the call raised under the suite's allocation guards (verify.guards; a backend "
                            f"that cannot run under a TorchDispatchMode, such as one compiled by torch.compile, "
                            f"declares the waiver group 'guarded_allocations'): {error}") from error
-    findings = {"written": _unwritten(outputs, ctx)}
-    if guards is not None:
-        findings["in_bounds"] = guards.stray_writes()
-    return findings
 
 
 def _backward_again(fn, args, kwargs: dict) -> tuple[list[str], Outputs | None]:
