@@ -81,8 +81,8 @@ class ScaledGradient(torch.autograd.Function):
 
 
 def drifting_model(q, *args, **kwargs):
-    """The bf16 model ("tests.helpers:drifting_model") whose dq is scaled by 1 + 2^-6 per call made before it
-    (at least a bf16 ulp): every call's dq differs, its out, lse, dk and dv do not."""
+    """The bf16 model ("tests.helpers:drifting_model") whose dq is scaled by 1 + 2^-6·n on its n-th call (steps
+    of at least a bf16 ulp): every call's dq differs, its out, lse, dk and dv do not."""
     from jfa.backends import attention_fn
 
     drifting_model.calls += 1
