@@ -19,6 +19,7 @@ import torch
 import jfa
 from jfa.mask import visible_torch
 from jfa.problem import Problem
+from verify.guards import allocation_bytes
 
 BLOCK_N = 16
 
@@ -101,7 +102,7 @@ def store_past_end(t: torch.Tensor, rows: int) -> None:
     """Zeros in the `rows` rows just past t's last one, as a kernel storing a whole last block writes them, as far
     as t's allocation holds them (a guarded one holds GUARD_BYTES more, `verify.guards`). Past its allocation a
     kernel writes into whatever memory follows, which an emulator cannot do safely: there it writes nothing."""
-    storage = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    storage = allocation_bytes(t)
     end = (t.storage_offset() + t.shape[0] * t.stride(0)) * t.element_size()
     storage[end:end + rows * t.stride(0) * t.element_size()] = 0
 

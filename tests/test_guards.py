@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from fixtures import case_from_id, make_inputs
 from jfa.backends import attention_fn
-from verify.guards import GUARD_BYTES, GuardedAllocations
+from verify.guards import GUARD_BYTES, GuardedAllocations, allocation_bytes
 from verify.runner import nan_filled_allocations, run
 
 CPU = torch.device("cpu")
@@ -53,11 +53,6 @@ def test_a_guarded_buffer_is_the_buffer_it_replaces(factory):
     assert guards.stray_writes() == []
 
 
-def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The whole allocation behind t as bytes, as a kernel's pointer arithmetic reaches it."""
-    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
-
-
 @pytest.mark.parametrize("side", ["before", "after"])
 @pytest.mark.parametrize("distance", [1, 37, GUARD_BYTES])
 def test_a_write_outside_a_buffer_is_named_with_its_site_and_distance(side, distance):
@@ -66,7 +61,7 @@ def test_a_write_outside_a_buffer_is_named_with_its_site_and_distance(side, dist
     with GuardedAllocations(CPU, seed=distance) as guards:
         t = torch.zeros(3, 5, dtype=torch.float32)
         torch.empty(4, dtype=torch.int64)
-    raw = _raw_bytes(t)
+    raw = allocation_bytes(t)
     start = t.storage_offset() * t.element_size()  # the view's first byte in the allocation
     byte = start - distance if side == "before" else start + t.numel() * t.element_size() + distance - 1
     raw[byte] = ~raw[byte]  # a changed byte whatever the pattern held
@@ -95,7 +90,7 @@ def test_a_byte_changed_anywhere_is_reported_exactly_when_it_lies_outside_the_bu
         t = torch.zeros(numel, dtype=dtype)
     size = numel * t.element_size()
     byte = t.storage_offset() * t.element_size() + offset
-    raw = _raw_bytes(t)
+    raw = allocation_bytes(t)
     if 0 <= byte < raw.numel():
         raw[byte] = ~raw[byte]
     problems = guards.stray_writes()

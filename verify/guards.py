@@ -80,7 +80,7 @@ class GuardedAllocations(TorchDispatchMode):
         buffer = torch.empty(2 * GUARD_BYTES + size, dtype=torch.uint8, device=self.device)
         buffer[:GUARD_BYTES] = self.pattern
         buffer[GUARD_BYTES + size:] = self.pattern
-        buffer[GUARD_BYTES:GUARD_BYTES + size] = _bytes(result)
+        buffer[GUARD_BYTES:GUARD_BYTES + size] = allocation_bytes(result)
         guarded = torch.empty(0, dtype=result.dtype, device=self.device).set_(
             buffer.untyped_storage(), GUARD_BYTES // result.element_size() + result.storage_offset(), result.size(),
             result.stride())
@@ -93,7 +93,9 @@ class GuardedAllocations(TorchDispatchMode):
         return [line for guarded in self.guarded for line in guarded.damage(self.pattern)]
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
+def allocation_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The whole allocation behind t as a uint8 view (rows past its end and fused neighbours included), as a
+    kernel's pointer arithmetic reaches it."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 

@@ -11,7 +11,7 @@ import torch
 
 from jfa.problem import Problem
 from verify.context import CaseContext
-from verify.guards import GuardedAllocations
+from verify.guards import GuardedAllocations, allocation_bytes
 from verify.runner import Outputs, is_device_fault, nan_filled_allocations, run, run_backwards
 
 
@@ -118,11 +118,6 @@ def _differing_rows(a: torch.Tensor, b: torch.Tensor, axis: int) -> torch.Tensor
     return torch.nonzero(differ.movedim(axis, 0).flatten(1).any(1)).flatten()
 
 
-def _storage_bytes(x: torch.Tensor) -> torch.Tensor:
-    """A copy of the whole allocation behind x as bytes (rows past offsets[-1] and fused neighbours included)."""
-    return torch.empty(0, dtype=torch.uint8, device=x.device).set_(x.untyped_storage()).clone()
-
-
 def _differences(a: Outputs, b: Outputs, names) -> list[str]:
     return [f"{name}: {first_difference(getattr(a, name), getattr(b, name))}" for name in names
             if not bitwise_equal(getattr(a, name), getattr(b, name))]
@@ -159,7 +154,7 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
     waived = waived or {}
     inputs = ctx.inputs
     args = (inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout)
-    before = [_storage_bytes(x) for x in (inputs.q, inputs.k, inputs.v, inputs.dout)]
+    before = [allocation_bytes(x).clone() for x in (inputs.q, inputs.k, inputs.v, inputs.dout)]
     all_names = ("out", "lse", "dq", "dk", "dv")
     findings: dict[str, list[str] | str] = {name: waived[group] for group, names in WAIVABLE.items()
                                             if group in waived for name in names}
@@ -326,7 +321,7 @@ def _rotated_buffers(fn, inputs) -> tuple:
 
 
 def _with_inputs_check(findings: dict, inputs, before) -> dict:
-    after = [_storage_bytes(x) for x in (inputs.q, inputs.k, inputs.v, inputs.dout)]
+    after = [allocation_bytes(x).clone() for x in (inputs.q, inputs.k, inputs.v, inputs.dout)]
     findings["inputs_unchanged"] = [f"the allocation behind {name} was modified" for name, x, y in
                                     zip(("q", "k", "v", "dout"), before, after, strict=True) if not torch.equal(x, y)]
     return findings
