@@ -12,15 +12,28 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _stand_in(tmp_path, name: str, script: str) -> Path:
+    """An executable `name` running `script` in tmp_path/bin (made if missing), the folder to put first on PATH."""
+    stub = tmp_path / "bin"
+    stub.mkdir(exist_ok=True)
+    path = stub / name
+    path.write_text(script)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return stub
+
+
+def _stand_in_cards(tmp_path, cards: str) -> Path:
+    """An `nvidia-smi` whose name query lists `cards` (one per line)."""
+    return _stand_in(tmp_path, "nvidia-smi",
+                     f'#!/bin/bash\n[[ "$*" == *--query-gpu=name,* ]] && echo "name, driver"\nprintf "{cards}"\n')
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity on this platform")
 def test_group_premerge_stages_get_their_share_of_the_cores(tmp_path):
     from verify.devices import cpu_share, usable_cpu_list
 
-    stub = tmp_path / "bin"
-    stub.mkdir()
-    smi = stub / "nvidia-smi"
-    smi.write_text('#!/bin/bash\n[[ "$*" == *--list-gpus* ]] && printf "GPU 0: stand-in\\nGPU 1: stand-in\\n"\n')
-    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    stub = _stand_in(tmp_path, "nvidia-smi",
+                     '#!/bin/bash\n[[ "$*" == *--list-gpus* ]] && printf "GPU 0: stand-in\\nGPU 1: stand-in\\n"\n')
     out = tmp_path / "out"
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{stub}:{os.environ['PATH']}", OUT=str(out),
                PROFILE="smoke", WPG="1")
@@ -42,11 +55,7 @@ def test_group_premerge_stages_get_their_share_of_the_cores(tmp_path):
 def test_require_card_runs_no_stage_on_another_card(tmp_path, cards, required, runs):
     """REQUIRE_CARD: the stages run only when every GPU's name contains it (none listed counts as another card);
     otherwise the cards found are written and the script exits 3 before any stage."""
-    stub = tmp_path / "bin"
-    stub.mkdir()
-    smi = stub / "nvidia-smi"
-    smi.write_text(f'#!/bin/bash\n[[ "$*" == *--query-gpu=name,* ]] && echo "name, driver"\nprintf "{cards}"\n')
-    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    stub = _stand_in_cards(tmp_path, cards)
     out = tmp_path / "out"
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{stub}:{os.environ['PATH']}", OUT=str(out),
                REQUIRE_CARD=required)
@@ -63,10 +72,8 @@ def test_require_card_runs_no_stage_on_another_card(tmp_path, cards, required, r
 def test_other_card_stages_run_instead_on_another_card(tmp_path, cards, other_card):
     """With OTHER_CARD_STAGES, a machine whose cards fail REQUIRE_CARD runs those stages instead of none (here an
     `ab` stage, through the stand-in probe) and says so in card.txt; the required card runs the command line's."""
+    _stand_in_cards(tmp_path, cards)
     stub = _stand_in_probe(tmp_path)
-    smi = stub / "nvidia-smi"
-    smi.write_text(f'#!/bin/bash\n[[ "$*" == *--query-gpu=name,* ]] && echo "name, driver"\nprintf "{cards}"\n')
-    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "out"
     env = dict(os.environ, PATH=f"{stub}:{os.environ['PATH']}", OUT=str(out), REQUIRE_CARD="H200",
                OTHER_CARD_STAGES="ab:scratch/base", AB_ROWS="gem", AB_ROUNDS="1")
@@ -86,10 +93,7 @@ def _stand_in_probe(tmp_path) -> Path:
     """A `python3` first on PATH whose `scripts/ab_probe.py measure` records its side and PYTHONPATH and writes a
     record per row (kernel ms by side: base 4, mine 3, a candidate 2; short_ws_kernel a quarter of it for a
     candidate, half otherwise); everything else goes to the real interpreter."""
-    stub = tmp_path / "bin"
-    stub.mkdir()
-    python = stub / "python3"
-    python.write_text("""#!/bin/bash
+    return _stand_in(tmp_path, "python3", """#!/bin/bash
 if [[ "$1" == scripts/ab_probe.py && "$2" == measure ]]; then
   echo "$3 $PYTHONPATH" >> "$OUT/calls.txt"
   case ${3%%:*} in base) ms=4; short=2 ;; mine) ms=3; short=1.5 ;; *) ms=2; short=0.5 ;; esac
@@ -100,8 +104,6 @@ if [[ "$1" == scripts/ab_probe.py && "$2" == measure ]]; then
 fi
 exec REAL_INTERPRETER "$@"
 """.replace("REAL_INTERPRETER", sys.executable))
-    python.chmod(python.stat().st_mode | stat.S_IEXEC)
-    return stub
 
 
 def test_ab_stage_measures_each_candidate_in_every_round(tmp_path):
@@ -143,12 +145,8 @@ def test_memcheck_runs_with_the_caching_allocator_off(tmp_path):
     """memcheck and initcheck see an access past a tensor only when the tensor is an allocation of its own, so
     their stages turn PyTorch's caching allocator off; racecheck (shared memory) keeps it. A stand-in
     compute-sanitizer records the setting and the command it was given."""
-    stub = tmp_path / "bin"
-    stub.mkdir()
-    sanitizer = stub / "compute-sanitizer"
-    sanitizer.write_text('#!/bin/bash\n'
-                         'echo "${PYTORCH_NO_CUDA_MEMORY_CACHING:-unset} $*" >> "$OUT/sanitizer_calls.txt"\n')
-    sanitizer.chmod(sanitizer.stat().st_mode | stat.S_IEXEC)
+    stub = _stand_in(tmp_path, "compute-sanitizer", '#!/bin/bash\n'
+                     'echo "${PYTORCH_NO_CUDA_MEMORY_CACHING:-unset} $*" >> "$OUT/sanitizer_calls.txt"\n')
     out = tmp_path / "out"
     env = dict(os.environ, PATH=f"{stub}:{os.environ['PATH']}", OUT=str(out))
     env.pop("PYTORCH_NO_CUDA_MEMORY_CACHING", None)
@@ -166,12 +164,8 @@ def test_memcheck_runs_with_the_caching_allocator_off(tmp_path):
 def test_repeat_stage_perturbs_both_modes(tmp_path):
     """The repeat stage runs verify.repeat with --perturb, deterministic first, then the default mode, with
     REPEAT_ARGS added; a stand-in python3 records the calls."""
-    stub = tmp_path / "bin"
-    stub.mkdir()
-    python = stub / "python3"
-    python.write_text(f'#!/bin/bash\nif [[ "$1 $2" == "-m verify.repeat" ]]; then echo "${{*:3}}" >> "$OUT/calls.txt";'
-                      f' exit 0; fi\nexec {sys.executable} "$@"\n')
-    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    stub = _stand_in(tmp_path, "python3", '#!/bin/bash\nif [[ "$1 $2" == "-m verify.repeat" ]]; then '
+                     f'echo "${{*:3}}" >> "$OUT/calls.txt"; exit 0; fi\nexec {sys.executable} "$@"\n')
     out = tmp_path / "out"
     env = dict(os.environ, PATH=f"{stub}:{os.environ['PATH']}", OUT=str(out), REPEAT_ARGS="--seed 3")
     proc = subprocess.run(["bash", "scripts/gpu_session.sh", "repeat:triton:50"], cwd=REPO, env=env,
