@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from fixtures import FAMILIES, case_from_id, make_inputs, profile_case_ids, spec_case
 from fixtures import corpus as corpus_module
 from fixtures.__main__ import main
-from fixtures.case import tail_rows
+from fixtures.case import OFFSETS_PAST_END, tail_rows
 from fixtures.families import HEAD_DIMS, TIERS
 from fixtures.profiles import PROFILES, SMOKE_CORPUS_WORK, SMOKE_FAMILIES
 from fixtures.spec import spec_id
@@ -341,6 +341,17 @@ def test_with_nan_tail():
         assert torch.equal(original, tensor)
         assert allocation_rows(tensor).shape[0] == tensor.shape[0] + 7
         assert allocation_rows(tensor)[tensor.shape[0]:].isnan().all()
+    for name in ("q_offsets", "kv_offsets"):
+        original, offsets = getattr(inputs, name), getattr(padded, name)
+        assert torch.equal(original, offsets) and offsets.dtype == original.dtype and offsets.is_contiguous()
+        past_end = allocation_rows(offsets)[offsets.shape[0]:]
+        assert past_end.tolist() == [int(original[-1]) + 7] * OFFSETS_PAST_END
+
+
+def test_with_nan_tail_broadcast_q():
+    padded = make_inputs(case_from_id("broadcast_q:0")).with_nan_tail(7)
+    assert padded.q_offsets is None
+    assert allocation_rows(padded.kv_offsets).shape[0] == padded.kv_offsets.shape[0] + OFFSETS_PAST_END
 
 
 # Spec ids

@@ -201,10 +201,16 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
         first = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
     padded = inputs.with_nan_tail(7)
     padded_args = (padded.q, padded.k, padded.v, padded.q_offsets, padded.kv_offsets, padded.dout)
-    findings["padding"] = _differences(base, run(fn, *padded_args, padded.kwargs, backward=True), names)
-    if unordered_dq:
-        findings["padding"] += _differences(first, run(fn, *padded_args, padded.kwargs, backward=True,
-                                                       deterministic=True), ("dq",))
+    # Guarded too: a kernel reading an offsets entry past the end runs one more sequence, whose rows it writes
+    # past the outputs' ends (`CaseInputs.with_nan_tail`).
+    with _guarded(ctx, guarded) as guards:
+        findings["padding"] = _differences(base, run(fn, *padded_args, padded.kwargs, backward=True), names)
+        if unordered_dq:
+            findings["padding"] += _differences(first, run(fn, *padded_args, padded.kwargs, backward=True,
+                                                           deterministic=True), ("dq",))
+    if guarded:
+        findings["in_bounds"] += [f"NaN rows and offsets entries past the inputs' ends: {problem}"
+                                  for problem in guards.stray_writes()]
 
     if "isolation" not in waived or "isolation_grad" not in waived:
         found = dict(zip(("isolation", "isolation_grad"), _isolation(fn, ctx, base, names), strict=True))
