@@ -85,6 +85,9 @@ BUGS = (
     Bug("offsets_cached_by_address", "host state kept per offsets buffer (keyed by its address): a buffer "
         "rewritten in place keeps the lengths of its first call", "invariants:offsets_reused",
         ("uniform:0", "gem_like:0"), op_level=True),
+    Bug("phantom_tail_sequence", "a scheduler's tile past the last sequence reads the offsets entry after their "
+        "end (the caller's buffer, as kernels given cu_seqlens read it) and runs as one more sequence: its rows of "
+        "out are stored past the end", "invariants:in_bounds", ("uniform:0", "gem_like:0"), op_level=True),
 )
 BUG_NAMES = tuple(bug.name for bug in BUGS if not bug.op_level)
 
@@ -344,3 +347,24 @@ def offsets_cached_by_address(q, k, v, q_offsets, kv_offsets, **kwargs):
         _BY_BUFFER[key] = (None if q_offsets is None else q_offsets.clone(), kv_offsets.clone())
         weakref.finalize(kv_offsets, _BY_BUFFER.pop, key, None)
     return jfa.attention(q, k, v, *_BY_BUFFER[key], backend="emulator", **kwargs)
+
+
+def _entry_past_end(offsets: torch.Tensor) -> int | None:
+    """The entry just past offsets' last one, as a kernel reading one more gets it, where their allocation holds
+    one (past an allocation a kernel reads whatever memory follows, which an emulator cannot do safely)."""
+    storage, size = allocation_bytes(offsets), offsets.element_size()
+    start = (offsets.storage_offset() + offsets.shape[0]) * size
+    if start + size > storage.numel():
+        return None
+    return int(storage[start:start + size].view(offsets.dtype)[0])
+
+
+def phantom_tail_sequence(q, k, v, q_offsets, kv_offsets, **kwargs):
+    """The clean emulator, then the tile past the last sequence (flash-attention PR #2333): its end is the q
+    offsets' entry past their last one, and its output rows, from offsets[-1] to there, are stored past out's
+    end (zeros: what they hold does not matter, where they land does)."""
+    result = jfa.attention(q, k, v, q_offsets, kv_offsets, backend="emulator", **kwargs)
+    past = None if q_offsets is None else _entry_past_end(q_offsets)
+    if past is not None and past > int(q_offsets[-1]):
+        store_past_end(result[0] if isinstance(result, tuple) else result, past - int(q_offsets[-1]))
+    return result
