@@ -165,22 +165,20 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
         # dq may use atomics unless deterministic=True; everything else must repeat bitwise regardless.
         findings["repeatable"] = _differences(base, run(fn, *args, inputs.kwargs, backward=True),
                                               ("out", "lse", "dk", "dv"))
-    # Two runs guard their buffers (`verify.guards`): the written run, default mode, and the retained graph's,
-    # deterministic=True with two backwards (a dq_order backend's other kernel path among them).
+    # Three runs guard their buffers (`verify.guards`), each adding what it wrote outside them to `in_bounds`:
+    # the written run, default mode; the retained graph's, deterministic=True with two backwards (a dq_order
+    # backend's other kernel path among them); and the padding run.
     guarded = "guarded_allocations" not in waived
+    if guarded:
+        findings["in_bounds"] = []
     # Compared with the reference, not with `base`: torch-based backends may pick other (deterministic)
     # library kernels in this mode.
-    with nan_filled_allocations(), _guarded(ctx, guarded) as guards:
+    with nan_filled_allocations(), _guarded(ctx, guarded, findings):
         findings["written"] = _unwritten(run(fn, *args, inputs.kwargs, backward=True), ctx)
-    if guarded:
-        findings["in_bounds"] = guards.stray_writes()
     retained = None
     if "retained_graph" not in waived:
-        with _guarded(ctx, guarded) as guards:
+        with _guarded(ctx, guarded, findings, "deterministic=True, two backwards over one graph: "):
             findings["backward_again"], retained = _backward_again(fn, args, inputs.kwargs)
-        if guarded:
-            findings["in_bounds"] += [f"deterministic=True, two backwards over one graph: {problem}"
-                                      for problem in guards.stray_writes()]
     first = ordered_base
     if "run_to_run" not in waived:
         if first is None:
@@ -201,16 +199,13 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
         first = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
     padded = inputs.with_nan_tail(7)
     padded_args = (padded.q, padded.k, padded.v, padded.q_offsets, padded.kv_offsets, padded.dout)
-    # Guarded too: a kernel reading an offsets entry past the end runs one more sequence, whose rows it writes
-    # past the outputs' ends (`CaseInputs.with_nan_tail`).
-    with _guarded(ctx, guarded) as guards:
+    # Guarded: a kernel reading an offsets entry past the end runs one more sequence, whose rows it writes past
+    # the outputs' ends (`CaseInputs.with_nan_tail`).
+    with _guarded(ctx, guarded, findings, "NaN rows and offsets entries past the inputs' ends: "):
         findings["padding"] = _differences(base, run(fn, *padded_args, padded.kwargs, backward=True), names)
         if unordered_dq:
             findings["padding"] += _differences(first, run(fn, *padded_args, padded.kwargs, backward=True,
                                                            deterministic=True), ("dq",))
-    if guarded:
-        findings["in_bounds"] += [f"NaN rows and offsets entries past the inputs' ends: {problem}"
-                                  for problem in guards.stray_writes()]
 
     if "isolation" not in waived or "isolation_grad" not in waived:
         found = dict(zip(("isolation", "isolation_grad"), _isolation(fn, ctx, base, names), strict=True))
@@ -237,19 +232,24 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
 
 
 @contextlib.contextmanager
-def _guarded(ctx: CaseContext, on: bool):
-    """The block under `verify.guards` when `on`, yielding the guards (else None and nothing). A call that
-    raises under them is told which waiver group says it cannot run there."""
-    guards = GuardedAllocations(ctx.inputs.q.device, ctx.case.seed) if on else None
+def _guarded(ctx: CaseContext, on: bool, findings: dict, label: str = ""):
+    """The block under `verify.guards` when `on` (else as it is); afterwards each buffer it wrote outside of is
+    added to findings["in_bounds"], prefixed with `label` (which run it was). A call that raises under the guards
+    is told which waiver group says it cannot run there."""
+    if not on:
+        yield
+        return
+    guards = GuardedAllocations(ctx.inputs.q.device, ctx.case.seed)
     try:
-        with guards or contextlib.nullcontext():
-            yield guards
+        with guards:
+            yield
     except RuntimeError as error:
-        if guards is None or is_device_fault(error):
+        if is_device_fault(error):
             raise
         raise RuntimeError(f"the call raised under the suite's allocation guards (verify.guards; a backend "
                            f"that cannot run under a TorchDispatchMode, such as one compiled by torch.compile, "
                            f"declares the waiver group 'guarded_allocations'): {error}") from error
+    findings["in_bounds"] += [label + problem for problem in guards.stray_writes()]
 
 
 def _backward_again(fn, args, kwargs: dict) -> tuple[list[str], Outputs | None]:
