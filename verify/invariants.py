@@ -169,8 +169,6 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
     # the written run, default mode; the retained graph's, deterministic=True with two backwards (a dq_order
     # backend's other kernel path among them); and the padding run.
     guarded = "guarded_allocations" not in waived
-    if guarded:
-        findings["in_bounds"] = []
     # Compared with the reference, not with `base`: torch-based backends may pick other (deterministic)
     # library kernels in this mode.
     with nan_filled_allocations(), _guarded(ctx, guarded, findings):
@@ -249,7 +247,7 @@ def _guarded(ctx: CaseContext, on: bool, findings: dict, label: str = ""):
         raise RuntimeError(f"the call raised under the suite's allocation guards (verify.guards; a backend "
                            f"that cannot run under a TorchDispatchMode, such as one compiled by torch.compile, "
                            f"declares the waiver group 'guarded_allocations'): {error}") from error
-    findings["in_bounds"] += [label + problem for problem in guards.stray_writes()]
+    findings.setdefault("in_bounds", []).extend(label + problem for problem in guards.stray_writes())
 
 
 def _backward_again(fn, args, kwargs: dict) -> tuple[list[str], Outputs | None]:
