@@ -1,6 +1,7 @@
-"""`python -m verify {gate,bisect,report,timeline,same,cases}`: the pre-merge numerical gate, precision-regression
-bisection (for `git bisect run`), the HTML report of one or more results files, where a run's wall time
-went per worker, whether two runs found the same, and which cases of a run took a kernel path (or failed)."""
+"""`python -m verify {gate,bisect,fuzz,report,timeline,same,cases}`: the pre-merge numerical gate,
+precision-regression bisection (for `git bisect run`), a property-based search for a failing case, the HTML
+report of one or more results files, where a run's wall time went per worker, whether two runs found the same,
+and which cases of a run took a kernel path (or failed)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,19 @@ import sys
 from verify import devices
 
 # name: (module, exit status of a usage error, summary). Only the chosen command's module is imported:
-# gate and bisect run checks or kernels (torch, Triton, seconds to import); timeline, report, same and cases read
-# results files only (no torch).
+# gate, bisect and fuzz run checks or kernels (torch, Triton, seconds to import); timeline, report, same and cases
+# read results files only (no torch).
 COMMANDS = {
     "gate": ("verify.gate", 2, "compare a run with the stored baseline of its device (ratchet)"),
     # exit 2 would mark every commit bad under git bisect run; 128 aborts it (verify.bisect.ABORT)
     "bisect": ("verify.bisect", 128, "judge one commit (or each kernel config) for git bisect run"),
+    "fuzz": ("verify.fuzz", 2, "search the fuzzer's families for a failing case with Hypothesis, and shrink it"),
     "report": ("verify.report", 2, "render results files as one self-contained HTML page"),
     "timeline": ("verify.timeline", 2, "where a run's wall time went, per xdist worker"),
     "same": ("verify.same", 2, "whether two runs (or shards against a whole run) found the same, record for record"),
     "cases": ("verify.cases", 2, "the case ids of a run whose records match (a kernel path, a status), for pytest"),
 }
-NEEDS_TORCH = ("gate", "bisect")
+NEEDS_TORCH = ("gate", "bisect", "fuzz")
 
 
 class Parser(argparse.ArgumentParser):

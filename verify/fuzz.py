@@ -1,0 +1,232 @@
+"""Property-based search for a failing case: `python -m verify fuzz` draws cases from the fuzzer's families
+with Hypothesis (`fixtures.strategies.cases`), runs the suite's checks on each (forward, backward and
+invariants, `verify.checks.check_case`, in this process) for the chosen backends, and when a case fails,
+shrinks it along the families' axes (fewer and shorter sequences, fewer heads, plain values, mask and layout,
+seed 0) to the smallest case that still fails. It prints that case's spec id, what failed where and by how
+much, and the commands that replay it and add it to the regression corpus.
+
+    python -m verify fuzz --backend triton --examples 200
+    python -m verify fuzz --backend mykernels.varlen:attention --family empty_runs --family causal_q_ne_kv
+    python -m verify fuzz --plugin tests.planted --backend planted-kv_mask_off_by_one --examples 20
+
+Hypothesis also steers towards the largest bound ratio it has seen (`hypothesis.target`), so a kernel that is
+only nearly wrong on some shapes gets more cases like them. The profiles' case lists are fixed; this finds
+what they do not hold. Cases are the small tier's (the interpreter runs each in about a second); --max-work
+lowers or raises the cap.
+
+Exit status:
+    0  no case failed
+    1  a case failed (the smallest found is reported); a backend crashed (the first crash, not shrunk: the
+       device may be unusable); or a case failed once and passed when run again (the backend is not
+       deterministic there: reported as found)
+    2  a usage error
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import random
+import sys
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from hypothesis import HealthCheck, Verbosity, given, seed, settings, target
+from hypothesis import strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.errors import Flaky
+
+from fixtures.families import FAMILIES, TIERS
+from fixtures.strategies import cases
+from verify import results
+from verify.checks import backend_fn, check_case, failure_message, replay_command
+from verify.limits import BOUND_LIMIT
+from verify.runner import BackendCrash
+
+NONE_FOUND, FOUND, USAGE = 0, 1, 2
+TESTS = ("forward", "backward", "invariants")
+FAILED = ("fail", "crash")
+
+
+class CaseFails(AssertionError):
+    """A drawn case failed a check: Hypothesis shrinks it."""
+
+
+class _Stop(BaseException):
+    """Ends the search at once (Hypothesis lets a BaseException through unshrunk): a device fault, or the
+    time budget."""
+
+
+@dataclass
+class Search:
+    """What the property saw, read back after Hypothesis returns or raises."""
+
+    backends: list[str]
+    tests: list[str]
+    device: torch.device
+    deadline: float | None
+    verbose: bool
+    runs: int = 0
+    by_family: Counter = field(default_factory=Counter)
+    worst_bound: tuple[float, str] = (-math.inf, "")  # largest bound ratio of a passing record, and where
+    failures: list[tuple[str, str, list[dict]]] = field(default_factory=list)  # (family, case id, records)
+    crash: tuple[str, list[dict]] | None = None
+    out_of_time: bool = False
+
+    def check(self, family: str, case_id: str) -> None:
+        """Every test of every backend on one case; raises CaseFails if a record fails."""
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self.out_of_time = True
+            raise _Stop
+        self.runs += 1
+        self.by_family[family] += 1
+        if self.verbose:  # the id first: a case that kills the process is the last one named
+            print(f"[{self.runs}] {family} {case_id}: ", end="", flush=True)
+        start = time.perf_counter()
+        records = []
+        for spec in self.backends:
+            for test in self.tests:
+                try:
+                    records += check_case(spec, case_id, test, self.device)
+                except BackendCrash as error:  # the device is unusable now: report this case, unshrunk
+                    records.append(dict(kind="result", backend=spec, case=case_id, family=family, test=test,
+                                        tensor="*", status="crash", message=str(error),
+                                        replay=replay_command(spec, case_id)))
+                    self.crash = case_id, records
+                    if self.verbose:
+                        print("CRASH", flush=True)
+                    raise _Stop from error
+        failing = [r for r in records if r["status"] in FAILED]
+        bound = max((b for r in records if (b := results.number((r.get("stats") or {}).get("bound_ratio")))
+                     is not None and math.isfinite(b)), default=None)
+        if self.verbose:
+            print(("FAIL" if failing else "pass") + ("" if bound is None else f", worst bound ratio {bound:.3g}")
+                  + f" ({time.perf_counter() - start:.1f} s)", flush=True)
+        if failing:
+            self.failures.append((family, case_id, records))
+            raise CaseFails(case_id)
+        if bound is not None:
+            self.worst_bound = max(self.worst_bound, (bound, case_id))
+            target(bound, label="worst bound ratio")
+
+
+def search(args) -> tuple[Search, str | None]:
+    """Runs Hypothesis; returns what it saw and, if the failure did not repeat, why."""
+    families = args.family or [name for name, family in FAMILIES.items() if "small" in family.tiers]
+    state = Search(backends=args.backend, tests=args.test or list(TESTS),
+                   device=torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+                   deadline=None if args.seconds is None else time.monotonic() + args.seconds,
+                   verbose=args.verbose)
+
+    @seed(args.seed)
+    @settings(max_examples=args.examples, deadline=None, database=(
+        DirectoryBasedExampleDatabase(args.database) if args.database else None),
+        suppress_health_check=list(HealthCheck), report_multiple_bugs=False, verbosity=Verbosity.quiet,
+        print_blob=False)
+    @given(st.data())
+    def property_(data):
+        # The family first, then a case of it: shrinking moves towards the first family listed as well.
+        family = data.draw(st.sampled_from(families), label="family")
+        case = data.draw(cases([family], max_work=args.max_work), label="case")
+        state.check(family, case.id)
+
+    try:
+        with warnings.catch_warnings():
+            # numpy's warnings inside the interpreted kernels on the invariants' NaN-poisoned inputs: pytest
+            # collects them in the suite's runs; here they would only break up the lines of the report
+            warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
+            property_()
+    except (CaseFails, _Stop):
+        pass
+    except Flaky as error:
+        return state, type(error).__name__
+    return state, None
+
+
+def report(args, state: Search, flaky: str | None) -> int:
+    """Prints what the search found; returns the exit status."""
+    where = f"seed {args.seed}, {state.runs} cases run"
+    families = ", ".join(f"{name} {count}" for name, count in sorted(state.by_family.items()))
+    if state.crash:
+        case_id, records = state.crash
+        print(f"fuzz: a backend crashed on {case_id} ({where}); not shrunk: the device may be unusable")
+        print(failure_message(records))
+        print(_corpus_line(case_id, "crashes"))
+        return FOUND
+    if state.failures:
+        family, case_id, records = state.failures[-1]
+        print(f"fuzz: FOUND ({where}, {len(state.failures)} of them failing)")
+        print("first failing case (family {}): {}".format(*state.failures[0][:2]))
+        if flaky:
+            print(f"failing case (family {family}), which passed when run again ({flaky}): the backend is not "
+                  f"deterministic there: {case_id}")
+        else:
+            print(f"smallest failing case (family {family}): {case_id}")
+        if state.out_of_time:
+            print(f"the time budget ({args.seconds:g} s) ended the shrinking: a smaller failing case may exist")
+        print(failure_message(records))
+        print(_corpus_line(case_id, "fails"))
+        return FOUND
+    budget = f"; the time budget ({args.seconds:g} s) ended the search" if state.out_of_time else ""
+    print(f"fuzz: no failure ({where}{budget}): {families or 'no case'}")
+    if state.worst_bound[1]:
+        print(f"largest bound ratio {state.worst_bound[0]:.3g} (limit {BOUND_LIMIT:g}) on {state.worst_bound[1]}")
+    return NONE_FOUND
+
+
+def _corpus_line(case_id: str, what: str) -> str:
+    return f"keep it: python -m fixtures corpus add '{case_id}' --note '<the bug it {what} on>, found by verify fuzz'"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--backend", action="append", default=[], required=True, metavar="NAME",
+                        help="a registered name or package.module:function (repeatable)")
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                        help="import MODULE first (pytest -p in the suite), e.g. tests.planted")
+    parser.add_argument("--family", action="append", default=[], metavar="NAME",
+                        help="draw only from these families (repeatable; default every family with small cases)")
+    parser.add_argument("--test", action="append", default=[], choices=TESTS,
+                        help="only these tests (repeatable; default all three)")
+    parser.add_argument("--examples", type=int, default=100, metavar="N",
+                        help="cases to draw before giving up (default 100; shrinking runs more)")
+    parser.add_argument("--seconds", type=float, metavar="S",
+                        help="stop after S seconds: no more cases, or the smallest failing case so far")
+    parser.add_argument("--max-work", type=int, default=TIERS["small"].max_work, metavar="W",
+                        help=f"query-key pairs x heads of a case at most (default {TIERS['small'].max_work:,})")
+    parser.add_argument("--seed", type=int, default=None, metavar="N",
+                        help="Hypothesis' seed (default: a random one, printed so the search can be repeated)")
+    parser.add_argument("--database", type=Path, metavar="DIR",
+                        help="keep failing examples in DIR (Hypothesis' example database) and try them first "
+                             "next time")
+    parser.add_argument("-v", "--verbose", action="store_true", help="a line per case run")
+
+
+def main(args) -> int:
+    def usage(message: str) -> int:
+        print(f"python -m verify fuzz: error: {message}", file=sys.stderr)
+        return USAGE
+
+    for plugin in args.plugin:
+        importlib.import_module(plugin)
+    unknown = [name for name in args.family if name not in FAMILIES or "small" not in FAMILIES[name].tiers]
+    if unknown:
+        small = sorted(name for name, family in FAMILIES.items() if "small" in family.tiers)
+        return usage(f"--family {unknown[0]}: not a family with small cases (one of {', '.join(small)})")
+    if args.examples < 1 or args.max_work < 1:
+        return usage("--examples and --max-work must be at least 1")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for spec in args.backend:
+        try:
+            reason = backend_fn(spec)[1](device)
+        except (ValueError, ImportError, AttributeError) as error:
+            return usage(f"--backend {spec}: {error}")
+        if reason:
+            return usage(f"--backend {spec} is unavailable on {device}: {reason}")
+    if args.seed is None:
+        args.seed = random.randrange(2**32)
+    state, flaky = search(args)
+    return report(args, state, flaky)
