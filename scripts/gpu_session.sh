@@ -2,7 +2,7 @@
 # The GPU work of a session on the lent H200 machine(s), in stages, each writing under $OUT:
 #   bash scripts/gpu_session.sh STAGE [STAGE ...]
 # Stages: env, triton-selftest, tlx-selftest, premerge:GPUS:BACKENDS:TAG[:CPUS], bench, tune:ROLES,
-# sanitizer:TOOL:BACKEND[:i/n], repeat[:BACKEND[:RUNS]], ab:BASE, scaling[:BACKENDS]. A group STAGE+STAGE+... runs its stages
+# sanitizer:TOOL:BACKEND[:i/n], repeat[:BACKEND[:RUNS]], fuzz:BACKEND[:SECONDS], ab:BASE, scaling[:BACKENDS]. A group STAGE+STAGE+... runs its stages
 # at once, the i-th on GPU i mod (the GPUs present), e.g. the shards of a sanitizer run spread over a
 # multi-GPU machine.
 # The machine has no package registry: run from the carried tree (PYTHONPATH) and carry
@@ -189,6 +189,14 @@ stage_repeat() {
   done
 }
 
+# fuzz BACKEND [SECONDS]: python -m verify fuzz, Hypothesis' search of the fuzzer's families for a failing case
+# and its shrinking, for SECONDS (240); FUZZ_ARGS are added (e.g. --seed 7 --family empty_runs).
+stage_fuzz() {
+  local backend=$1 seconds=${2:-240}
+  for_backends "$backend" python3 -m verify fuzz --backend "$backend" --seconds "$seconds" --examples 100000 -v \
+    ${FUZZ_ARGS:-} 2>&1 | tee "$OUT/fuzz_$backend.txt"
+}
+
 run_stage() {
   echo "=== $1 ($(date -u +%H:%M:%S))"
   case $1 in
@@ -197,6 +205,7 @@ run_stage() {
     tune:*) stage_tune "${1#tune:}" ;;
     ab:*) stage_ab "${1#ab:}" ;;
     repeat:*) IFS=: read -r _ backend runs <<< "$1"; stage_repeat "$backend" "$runs" ;;
+    fuzz:*) IFS=: read -r _ backend seconds <<< "$1"; stage_fuzz "$backend" "$seconds" ;;
     scaling:*) stage_scaling "${1#scaling:}" ;;
     *) "stage_${1//-/_}" ;;
   esac

@@ -161,6 +161,21 @@ def test_memcheck_runs_with_the_caching_allocator_off(tmp_path):
                      f"1 --tool initcheck {common} --shard 0/1"]
 
 
+def test_fuzz_stage_searches_for_its_seconds(tmp_path):
+    """The fuzz stage runs python -m verify fuzz on its backend for its seconds (240 by default), a line per
+    case, with FUZZ_ARGS added; a stand-in python3 records the calls."""
+    stub = _stand_in(tmp_path, "python3", '#!/bin/bash\nif [[ "$1 $2 $3" == "-m verify fuzz" ]]; then '
+                     f'echo "${{*:4}}" >> "$OUT/calls.txt"; exit 0; fi\nexec {sys.executable} "$@"\n')
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{stub}:{os.environ['PATH']}", OUT=str(out), FUZZ_ARGS="--seed 7")
+    proc = subprocess.run(["bash", "scripts/gpu_session.sh", "fuzz:triton:90", "fuzz:bf16-model"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "calls.txt").read_text().splitlines() == [
+        "--backend triton --seconds 90 --examples 100000 -v --seed 7",
+        "--backend bf16-model --seconds 240 --examples 100000 -v --seed 7"]
+
+
 def test_repeat_stage_perturbs_both_modes(tmp_path):
     """The repeat stage runs verify.repeat with --perturb, deterministic first, then the default mode, with
     REPEAT_ARGS added; a stand-in python3 records the calls."""
