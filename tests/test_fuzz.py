@@ -9,13 +9,17 @@ from __future__ import annotations
 import importlib
 import itertools
 import re
+from collections import Counter
 
 import pytest
 import torch
+from hypothesis import find
 
 import jfa
 import tests.planted  # noqa: F401 - registers the emulator and its planted bugs
 from fixtures import case_from_id
+from fixtures.families import FAMILIES
+from fixtures.strategies import cases
 from verify import fuzz
 from verify.__main__ import main
 from verify.checks import check_case
@@ -65,10 +69,17 @@ def test_finds_a_planted_bug_and_shrinks_it(capsys):
     assert f"--jfa-case '{smallest.id}'" in text and f"corpus add '{smallest.id}'" in text
 
 
-def test_a_clean_kernel_passes(capsys):
-    code, text = fuzz_run(capsys, "--backend", "emulator", "--examples", "8", "--seed", "1", "--max-work", "20000")
+def test_a_clean_kernel_passes_every_family(capsys):
+    """One case of every family with small cases: the simplest of each (a search's first draw, what
+    hypothesis.find shrinks anything to), once for families whose simplest cases are the same case."""
+    code, text = fuzz_run(capsys, "--backend", "emulator", "--examples", "1", "--seed", "1", "--max-work", "20000")
     assert code == fuzz.NONE_FOUND, text
-    assert "no failure (seed 1, 8 cases run)" in text
+    simplest = {name: find(cases([name], max_work=20000), lambda _: True).id
+                for name, family in FAMILIES.items() if "small" in family.tiers}
+    shared = Counter(simplest.values())
+    ran = dict(re.findall(r"(\w+) (\d+)", text.split("cases run): ")[1].splitlines()[0]))
+    assert f"no failure (seed 1, {len(shared)} cases run)" in text, text
+    assert set(ran.values()) == {"1"} and {name for name, id_ in simplest.items() if shared[id_] == 1} <= set(ran)
     ratio = float(re.search(r"largest bound ratio (\S+) \(limit 2\)", text)[1])
     assert 0 < ratio < 2, text
 
@@ -104,7 +115,8 @@ def test_the_time_budget_ends_the_search(capsys, monkeypatch):
     code, text = fuzz_run(capsys, "--plugin", "tests.planted", "--backend", "planted-lse_base2", "--family",
                           "uniform", "--test", "forward", "--examples", "50", "--seconds", "0.5", "--seed", "0")
     assert code == fuzz.FOUND, text
-    assert "1 cases run, 1 of them failing" in text and "ended the shrinking" in text, text
+    assert "uniform: 1 failing cases run" in text and "ended the shrinking" in text, text
+    assert "FOUND in 1 of 1 families (seed 0, 1 cases run; the time budget (0.5 s) ended the search)" in text
     code, text = fuzz_run(capsys, "--backend", "emulator", "--seconds", "0", "--seed", "0")
     assert code == fuzz.NONE_FOUND and "0 cases run; the time budget (0 s) ended the search" in text, text
 

@@ -1,24 +1,27 @@
-"""Property-based search for a failing case: `python -m verify fuzz` draws cases from the fuzzer's families
-with Hypothesis (`fixtures.strategies.cases`), runs the suite's checks on each (forward, backward and
-invariants, `verify.checks.check_case`, in this process) for the chosen backends, and when a case fails,
-shrinks it along the families' axes (fewer and shorter sequences, fewer heads, plain values, mask and layout,
-seed 0) to the smallest case that still fails. It prints that case's spec id, what failed where and by how
-much, and the commands that replay it and add it to the regression corpus.
+"""Property-based search for failing cases: `python -m verify fuzz` draws cases from the fuzzer's families with
+Hypothesis (`fixtures.strategies.cases`), runs the suite's checks on each (forward, backward and invariants,
+`verify.checks.check_case`, in this process) for the chosen backends, and when a case fails, shrinks it along
+the family's axes (fewer and shorter sequences, fewer heads, plain values, mask and layout, seed 0) to the
+smallest case that still fails. For each family with a failure it prints that case's spec id, what failed
+where and by how much, and the commands that replay it and add it to the regression corpus.
 
-    python -m verify fuzz --backend triton --examples 200
+    python -m verify fuzz --backend triton --examples 8
     python -m verify fuzz --backend mykernels.varlen:attention --family empty_runs --family causal_q_ne_kv
-    python -m verify fuzz --plugin tests.planted --backend planted-kv_mask_off_by_one --examples 20
+    python -m verify fuzz --backend tlx --seconds 600 --examples 100000
 
-Hypothesis also steers towards the largest bound ratio it has seen (`hypothesis.target`), so a kernel that is
-only nearly wrong on some shapes gets more cases like them. The profiles' case lists are fixed; this finds
-what they do not hold. Cases are the small tier's (the interpreter runs each in about a second); --max-work
-lowers or raises the cap.
+Each family gets a search of its own, so that every family is drawn from (one search over all of them would
+spend most of its cases on a few: Hypothesis' generation repeats what it has drawn) and a failure shrinks
+within its family. The families take turns in rounds of at most ROUND_EXAMPLES cases each, in an order shuffled
+by the seed, until each has had --examples cases or --seconds have passed. With --steer, each search also
+climbs towards larger bound ratios (`hypothesis.target`), so that a kernel only nearly wrong on some shapes
+gets more cases like them. The profiles' case lists are fixed; this finds what they do not hold. Cases are the
+small tier's (the interpreter runs each in seconds); --max-work lowers or raises the cap.
 
 Exit status:
     0  no case failed
-    1  a case failed (the smallest found is reported); a backend crashed (the first crash, not shrunk: the
-       device may be unusable); or a case failed once and passed when run again (the backend is not
-       deterministic there: reported as found)
+    1  a case failed (for each family, the smallest found is reported); a backend crashed (the first crash ends
+       the search, not shrunk: the device may be unusable); or a case failed once and passed when run again
+       (the backend is not deterministic there: reported as found)
     2  a usage error
 """
 
@@ -35,12 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from hypothesis import HealthCheck, Verbosity, given, seed, settings, target
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings, target
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import Flaky
 
-from fixtures.families import FAMILIES, TIERS
+from fixtures.families import FAMILIES, TIERS, stable_seed
 from fixtures.strategies import cases
 from verify import results
 from verify.checks import backend_fn, check_case, failure_message, replay_command
@@ -50,6 +52,7 @@ from verify.runner import BackendCrash
 NONE_FOUND, FOUND, USAGE = 0, 1, 2
 TESTS = ("forward", "backward", "invariants")
 FAILED = ("fail", "crash")
+ROUND_EXAMPLES = 4  # cases a family's search draws before the next family's turn, in a time-limited search
 
 
 class CaseFails(AssertionError):
@@ -57,23 +60,33 @@ class CaseFails(AssertionError):
 
 
 class _Stop(BaseException):
-    """Ends the search at once (Hypothesis lets a BaseException through unshrunk): a device fault, or the
+    """Ends the whole search at once (Hypothesis lets a BaseException through unshrunk): a device fault, or the
     time budget."""
 
 
 @dataclass
+class Finding:
+    family: str
+    failing: list[tuple[str, list[dict]]] = field(default_factory=list)  # (case id, records), in the order run
+    flaky: str | None = None  # Hypothesis' error, when the last failing case passed when run again
+    cut_short: bool = False  # the time budget ended its shrinking
+
+
+@dataclass
 class Search:
-    """What the property saw, read back after Hypothesis returns or raises."""
+    """What the properties saw, read back after Hypothesis returns or raises."""
 
     backends: list[str]
     tests: list[str]
     device: torch.device
     deadline: float | None
     verbose: bool
+    steer: bool
     runs: int = 0
     by_family: Counter = field(default_factory=Counter)
+    passed: set[str] = field(default_factory=set)  # case ids run and passed: not run again in a later round
     worst_bound: tuple[float, str] = (-math.inf, "")  # largest bound ratio of a passing record, and where
-    failures: list[tuple[str, str, list[dict]]] = field(default_factory=list)  # (family, case id, records)
+    findings: dict[str, Finding] = field(default_factory=dict)
     crash: tuple[str, list[dict]] | None = None
     out_of_time: bool = False
 
@@ -82,6 +95,8 @@ class Search:
         if self.deadline is not None and time.monotonic() > self.deadline:
             self.out_of_time = True
             raise _Stop
+        if case_id in self.passed:
+            return
         self.runs += 1
         self.by_family[family] += 1
         if self.verbose:  # the id first: a case that kills the process is the last one named
@@ -107,72 +122,95 @@ class Search:
             print(("FAIL" if failing else "pass") + ("" if bound is None else f", worst bound ratio {bound:.3g}")
                   + f" ({time.perf_counter() - start:.1f} s)", flush=True)
         if failing:
-            self.failures.append((family, case_id, records))
+            self.findings.setdefault(family, Finding(family)).failing.append((case_id, records))
             raise CaseFails(case_id)
+        self.passed.add(case_id)
         if bound is not None:
             self.worst_bound = max(self.worst_bound, (bound, case_id))
-            target(bound, label="worst bound ratio")
+            if self.steer:
+                target(bound, label="worst bound ratio")
 
 
-def search(args) -> tuple[Search, str | None]:
-    """Runs Hypothesis; returns what it saw and, if the failure did not repeat, why."""
-    families = args.family or [name for name, family in FAMILIES.items() if "small" in family.tiers]
-    state = Search(backends=args.backend, tests=args.test or list(TESTS),
-                   device=torch.device("cuda" if torch.cuda.is_available() else "cpu"),
-                   deadline=None if args.seconds is None else time.monotonic() + args.seconds,
-                   verbose=args.verbose)
+def search_family(args, state: Search, family: str, round_seed: int, examples: int) -> None:
+    """One Hypothesis search of one family's cases: up to `examples` drawn, a failure shrunk."""
 
-    @seed(args.seed)
-    @settings(max_examples=args.examples, deadline=None, database=(
-        DirectoryBasedExampleDatabase(args.database) if args.database else None),
-        suppress_health_check=list(HealthCheck), report_multiple_bugs=False, verbosity=Verbosity.quiet,
-        print_blob=False)
-    @given(st.data())
-    def property_(data):
-        # The family first, then a case of it: shrinking moves towards the first family listed as well.
-        family = data.draw(st.sampled_from(families), label="family")
-        case = data.draw(cases([family], max_work=args.max_work), label="case")
+    @seed(round_seed)
+    @settings(max_examples=examples, deadline=None,
+              # a folder per family: a failure kept for one family is replayed in its own search only
+              database=DirectoryBasedExampleDatabase(args.database / family) if args.database else None,
+              phases=[phase for phase in Phase if phase != Phase.target or args.steer],
+              suppress_health_check=list(HealthCheck), report_multiple_bugs=False, verbosity=Verbosity.quiet,
+              print_blob=False)
+    @given(cases([family], max_work=args.max_work))
+    def property_(case):
         state.check(family, case.id)
 
     try:
-        with warnings.catch_warnings():
-            # numpy's warnings inside the interpreted kernels on the invariants' NaN-poisoned inputs: pytest
-            # collects them in the suite's runs; here they would only break up the lines of the report
-            warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
-            property_()
-    except (CaseFails, _Stop):
+        property_()
+    except CaseFails:
         pass
     except Flaky as error:
-        return state, type(error).__name__
-    return state, None
+        state.findings[family].flaky = type(error).__name__
+    except _Stop:
+        if family in state.findings and state.out_of_time:
+            state.findings[family].cut_short = True
+        raise
 
 
-def report(args, state: Search, flaky: str | None) -> int:
+def search(args) -> Search:
+    """The families' searches in turn, round after round, until each has drawn args.examples cases, a backend
+    crashes or the time budget ends."""
+    order = args.family or [name for name, family in FAMILIES.items() if "small" in family.tiers]
+    random.Random(args.seed).shuffle(order)
+    state = Search(backends=args.backend, tests=args.test or list(TESTS),
+                   device=torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+                   deadline=None if args.seconds is None else time.monotonic() + args.seconds,
+                   verbose=args.verbose, steer=args.steer)
+    per_round = args.examples if args.seconds is None else min(args.examples, ROUND_EXAMPLES)
+    with warnings.catch_warnings():
+        # numpy's warnings inside the interpreted kernels on the invariants' NaN-poisoned inputs: pytest
+        # collects them in the suite's runs; here they would only break up the lines of the report
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
+        try:
+            for round_ in range(math.ceil(args.examples / per_round)):
+                for family in order:
+                    if family not in state.findings:
+                        search_family(args, state, family, stable_seed(f"fuzz:{args.seed}:{family}", round_),
+                                      min(per_round, args.examples - round_ * per_round))
+        except _Stop:
+            pass
+    return state
+
+
+def report(args, state: Search) -> int:
     """Prints what the search found; returns the exit status."""
     where = f"seed {args.seed}, {state.runs} cases run"
-    families = ", ".join(f"{name} {count}" for name, count in sorted(state.by_family.items()))
+    for finding in state.findings.values():
+        case_id, records = finding.failing[-1]
+        print(f"fuzz: {finding.family}: {len(finding.failing)} failing cases run")
+        print(f"first failing case ({finding.family}): {finding.failing[0][0]}")
+        if finding.flaky:
+            print(f"failing case ({finding.family}), which passed when run again ({finding.flaky}): the backend "
+                  f"is not deterministic there: {case_id}")
+        else:
+            print(f"smallest failing case ({finding.family}): {case_id}")
+        if finding.cut_short:
+            print(f"the time budget ({args.seconds:g} s) ended the shrinking: a smaller failing case may exist")
+        print(failure_message(records))
+        print(_corpus_line(case_id, "fails"))
     if state.crash:
         case_id, records = state.crash
         print(f"fuzz: a backend crashed on {case_id} ({where}); not shrunk: the device may be unusable")
         print(failure_message(records))
         print(_corpus_line(case_id, "crashes"))
         return FOUND
-    if state.failures:
-        family, case_id, records = state.failures[-1]
-        print(f"fuzz: FOUND ({where}, {len(state.failures)} of them failing)")
-        print("first failing case (family {}): {}".format(*state.failures[0][:2]))
-        if flaky:
-            print(f"failing case (family {family}), which passed when run again ({flaky}): the backend is not "
-                  f"deterministic there: {case_id}")
-        else:
-            print(f"smallest failing case (family {family}): {case_id}")
-        if state.out_of_time:
-            print(f"the time budget ({args.seconds:g} s) ended the shrinking: a smaller failing case may exist")
-        print(failure_message(records))
-        print(_corpus_line(case_id, "fails"))
-        return FOUND
+    families = ", ".join(f"{name} {count}" for name, count in sorted(state.by_family.items())) or "no case"
     budget = f"; the time budget ({args.seconds:g} s) ended the search" if state.out_of_time else ""
-    print(f"fuzz: no failure ({where}{budget}): {families or 'no case'}")
+    if state.findings:
+        print(f"fuzz: FOUND in {len(state.findings)} of {len(state.by_family)} families ({where}{budget}): "
+              + ", ".join(state.findings))
+        return FOUND
+    print(f"fuzz: no failure ({where}{budget}): {families}")
     if state.worst_bound[1]:
         print(f"largest bound ratio {state.worst_bound[0]:.3g} (limit {BOUND_LIMIT:g}) on {state.worst_bound[1]}")
     return NONE_FOUND
@@ -188,20 +226,22 @@ def add_arguments(parser) -> None:
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                         help="import MODULE first (pytest -p in the suite), e.g. tests.planted")
     parser.add_argument("--family", action="append", default=[], metavar="NAME",
-                        help="draw only from these families (repeatable; default every family with small cases)")
+                        help="search only these families (repeatable; default every family with small cases)")
     parser.add_argument("--test", action="append", default=[], choices=TESTS,
                         help="only these tests (repeatable; default all three)")
-    parser.add_argument("--examples", type=int, default=100, metavar="N",
-                        help="cases to draw before giving up (default 100; shrinking runs more)")
+    parser.add_argument("--examples", type=int, default=4, metavar="N",
+                        help="cases to draw from each family (default 4; shrinking a failure runs more)")
     parser.add_argument("--seconds", type=float, metavar="S",
                         help="stop after S seconds: no more cases, or the smallest failing case so far")
     parser.add_argument("--max-work", type=int, default=TIERS["small"].max_work, metavar="W",
                         help=f"query-key pairs x heads of a case at most (default {TIERS['small'].max_work:,})")
     parser.add_argument("--seed", type=int, default=None, metavar="N",
-                        help="Hypothesis' seed (default: a random one, printed so the search can be repeated)")
+                        help="the search's seed (default: a random one, printed so the search can be repeated)")
     parser.add_argument("--database", type=Path, metavar="DIR",
-                        help="keep failing examples in DIR (Hypothesis' example database) and try them first "
-                             "next time")
+                        help="keep failing examples under DIR (Hypothesis' example database, a folder per "
+                             "family) and try them first next time")
+    parser.add_argument("--steer", action="store_true",
+                        help="climb towards larger bound ratios within each family (hypothesis.target)")
     parser.add_argument("-v", "--verbose", action="store_true", help="a line per case run")
 
 
@@ -228,5 +268,4 @@ def main(args) -> int:
             return usage(f"--backend {spec} is unavailable on {device}: {reason}")
     if args.seed is None:
         args.seed = random.randrange(2**32)
-    state, flaky = search(args)
-    return report(args, state, flaky)
+    return report(args, search(args))
