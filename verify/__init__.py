@@ -1,5 +1,5 @@
 """verify: the numerics suite for jagged attention kernels (reference comparison, bf16 error-bound
-statistics, invariants) plus its gate, bisect and report commands.
+statistics, invariants) plus its gate, bisect, fuzz and report commands.
 
 Importing it pins Intel MKL's CPU arithmetic to one code path, its AVX2 kernels (`MKL_CBWR=AVX2`, unless the
 caller set MKL_CBWR): MKL otherwise picks its GEMM kernels by the CPU's instruction set, and the float64
@@ -10,7 +10,7 @@ band is 2x, so the CPU baseline passed or failed by the machine it ran on. AVX2 
 AVX-512 machine restricted to AVX2 (MKL_ENABLE_INSTRUCTIONS) and at 1 or 2 threads, and costs 1.5x AUTO's
 GEMM time where COMPATIBLE costs 5x (Intel CPUs since Haswell and AMD ones since Zen have AVX2). MKL reads
 the variable at its first call, so this holds for every process that imports verify before its first CPU
-matmul (the suite's workers, the gate, bisect, the unit tests through tests/conftest.py); GPU runs compute on
+matmul (the suite's workers, the gate, bisect, fuzz, the unit tests through tests/conftest.py); GPU runs compute on
 the GPU.
 """
 
