@@ -121,6 +121,20 @@ def test_the_time_budget_ends_the_search(capsys, monkeypatch):
     assert code == fuzz.NONE_FOUND and "0 cases run; the time budget (0 s) ended the search" in text, text
 
 
+def test_a_time_budget_gives_the_families_turns(capsys, monkeypatch):
+    """With a time budget, the families' searches take turns of ROUND_EXAMPLES cases until it ends, so every
+    family is searched however long the budget: a clock that moves 1 s a case, 30 s, four families."""
+    clock = itertools.count()
+    monkeypatch.setattr(fuzz.time, "monotonic", lambda: next(clock))
+    families = ["uniform", "causal", "window", "gqa"]
+    code, text = fuzz_run(capsys, "--backend", "emulator", "--test", "forward", "--examples", "100000",
+                          "--seconds", "30", "--seed", "5", *[arg for name in families for arg in ("--family", name)])
+    assert code == fuzz.NONE_FOUND and "the time budget (30 s) ended the search" in text, text
+    counts = text.split("ended the search): ")[1].splitlines()[0]
+    ran = {name: int(count) for name, count in re.findall(r"(\w+) (\d+)", counts)}
+    assert set(ran) == set(families) and min(ran.values()) > fuzz.ROUND_EXAMPLES, text
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--backend", "emulator", "--family", "no_such_family"], "--family no_such_family: not a family with small"),
     (["--backend", "emulator", "--family", "offset_overflow"], "--family offset_overflow: not a family with small"),

@@ -91,7 +91,8 @@ class Search:
     out_of_time: bool = False
 
     def check(self, family: str, case_id: str) -> None:
-        """Every test of every backend on one case; raises CaseFails if a record fails."""
+        """Every test of every backend on one case (once: a case that passed is not run again); raises
+        CaseFails if a record fails, _Stop on a device fault or past the deadline."""
         if self.deadline is not None and time.monotonic() > self.deadline:
             self.out_of_time = True
             raise _Stop
@@ -160,7 +161,7 @@ def search_family(args, state: Search, family: str, round_seed: int, examples: i
 def search(args) -> Search:
     """The families' searches in turn, round after round, until each has drawn args.examples cases, a backend
     crashes or the time budget ends."""
-    order = args.family or [name for name, family in FAMILIES.items() if "small" in family.tiers]
+    order = list(dict.fromkeys(args.family)) or [name for name, family in FAMILIES.items() if "small" in family.tiers]
     random.Random(args.seed).shuffle(order)
     state = Search(backends=args.backend, tests=args.test or list(TESTS),
                    device=torch.device("cuda" if torch.cuda.is_available() else "cpu"),
