@@ -20,7 +20,7 @@ import tests.planted  # noqa: F401 - registers the emulator and its planted bugs
 from fixtures import case_from_id
 from fixtures.families import FAMILIES
 from fixtures.strategies import cases
-from verify import fuzz
+from verify import fuzz, results
 from verify.__main__ import main
 from verify.checks import check_case
 
@@ -52,13 +52,14 @@ def reported(text: str, label: str) -> str:
     return re.search(rf"{label}[^:]*: (spec:\S+)", text)[1]
 
 
-def test_finds_a_planted_bug_and_shrinks_it(capsys):
+def test_finds_a_planted_bug_and_shrinks_it(capsys, tmp_path):
     """broadcast-Q dq keeps the last sequence's contribution instead of the sum: the first failing draw is a
     batch of several sequences and heads; the reported case is the smallest that fails, two kv sequences and
-    one head, and it fails again when replayed as the suite runs it."""
+    one head, and it fails again when replayed as the suite runs it. --results-out holds every case's records
+    under the run's environment."""
     spec = "planted-broadcast_dq_not_summed"
     code, text = fuzz_run(capsys, "--backend", spec, "--family", "broadcast_q", "--test", "backward",
-                          "--examples", "30", "--seed", "0")
+                          "--examples", "30", "--seed", "0", "--results-out", str(tmp_path / "fuzz.jsonl"))
     assert code == fuzz.FOUND, text
     first = case_from_id(reported(text, "first failing case"))
     smallest = case_from_id(reported(text, "smallest failing case"))
@@ -67,6 +68,11 @@ def test_finds_a_planted_bug_and_shrinks_it(capsys):
     replay = check_case(spec, smallest.id, "backward", torch.device("cpu"))
     assert [r["tensor"] for r in replay if r["status"] == "fail"] == ["dq"], replay
     assert f"--jfa-case '{smallest.id}'" in text and f"corpus add '{smallest.id}'" in text
+    header, *records = results.read(tmp_path / "fuzz.jsonl")
+    assert header["kind"] == "environment" and header["fuzz"]["seed"] == 0 and header["backends"] == [spec]
+    run = int(re.search(r"\(seed 0, (\d+) cases run\)", text)[1])
+    assert len(records) == 3 * run  # dq, dk and dv of each case run (a failing case may run again)
+    assert any(r["case"] == smallest.id and r["tensor"] == "dq" and r["status"] == "fail" for r in records)
 
 
 def test_a_clean_kernel_passes_every_family(capsys):

@@ -247,10 +247,8 @@ def run_config(args) -> Verdict:
                                         test=test, tensor="*", status="crash", message=str(crash)))
                     break
     if args.results_out:
-        header = dict(environment.collect(device.type), kind="environment", profile=args.profile,
-                      backends=[spec], config=config)
-        Path(args.results_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.results_out).write_text("".join(results.dumps(r) + "\n" for r in [header, *records]))
+        results.write(args.results_out, dict(environment.collect(device.type), profile=args.profile,
+                                             backends=[spec], config=config), records)
     baseline = gate.load_baseline(args.baseline) if args.baseline else None
     return judge(records, args.crash, baseline, args.compare_as)
 

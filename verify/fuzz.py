@@ -44,7 +44,7 @@ from hypothesis.errors import Flaky
 
 from fixtures.families import FAMILIES, TIERS, stable_seed
 from fixtures.strategies import cases
-from verify import results
+from verify import environment, results
 from verify.checks import backend_fn, check_case, failure_message, replay_command
 from verify.limits import BOUND_LIMIT
 from verify.runner import BackendCrash
@@ -87,6 +87,7 @@ class Search:
     passed: set[str] = field(default_factory=set)  # case ids run and passed: not run again in a later round
     worst_bound: tuple[float, str] = (-math.inf, "")  # largest bound ratio of a passing record, and where
     findings: dict[str, Finding] = field(default_factory=dict)
+    records: list[dict] = field(default_factory=list)  # every case's, in the order run, for --results-out
     crash: tuple[str, list[dict]] | None = None
     out_of_time: bool = False
 
@@ -113,9 +114,11 @@ class Search:
                                         tensor="*", status="crash", message=str(error),
                                         replay=replay_command(spec, case_id)))
                     self.crash = case_id, records
+                    self.records += records
                     if self.verbose:
                         print("CRASH", flush=True)
                     raise _Stop from error
+        self.records += records
         failing = [r for r in records if r["status"] in FAILED]
         bound = max((b for r in records if (b := results.number((r.get("stats") or {}).get("bound_ratio")))
                      is not None and math.isfinite(b)), default=None)
@@ -241,6 +244,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--database", type=Path, metavar="DIR",
                         help="keep failing examples under DIR (Hypothesis' example database, a folder per "
                              "family) and try them first next time")
+    parser.add_argument("--results-out", type=Path, metavar="FILE",
+                        help="write every case's records there (JSON lines, as the suite's: for verify report)")
     parser.add_argument("--steer", action="store_true",
                         help="climb towards larger bound ratios within each family (hypothesis.target)")
     parser.add_argument("-v", "--verbose", action="store_true", help="a line per case run")
@@ -269,4 +274,10 @@ def main(args) -> int:
             return usage(f"--backend {spec} is unavailable on {device}: {reason}")
     if args.seed is None:
         args.seed = random.randrange(2**32)
-    return report(args, search(args))
+    state = search(args)
+    if args.results_out:
+        results.write(args.results_out, dict(environment.collect(state.device.type), backends=args.backend,
+                                             fuzz=dict(seed=args.seed, families=args.family or "all",
+                                                       examples=args.examples, max_work=args.max_work)),
+                      state.records)
+    return report(args, state)

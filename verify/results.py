@@ -157,6 +157,14 @@ def merge(parts: list[Path], path: Path, run: dict) -> list[dict]:
     return records
 
 
+def write(path: Path, environment: dict, records: list[dict]) -> None:
+    """A results file of one process's run (bisect's in-process configs, fuzz): the environment record first,
+    then the records, as `read`, the gate and the report take them."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(dumps(record) + "\n" for record in [dict(environment, kind="environment"), *records]))
+
+
 def _fmt(value, spec: str = ".3g") -> str:
     if value is None:
         return "-"
