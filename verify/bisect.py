@@ -243,8 +243,7 @@ def run_config(args) -> Verdict:
                 try:
                     records += check_case(spec, case, test, device)
                 except BackendCrash as crash:  # the device is unusable now: stop with what we have
-                    records.append(dict(kind="result", backend=spec, case=case, family=results.family_of(case),
-                                        test=test, tensor="*", status="crash", message=str(crash)))
+                    records.append(crash.record)
                     break
     if args.results_out:
         results.write(args.results_out, dict(environment.collect(device.type), profile=args.profile,

@@ -101,7 +101,7 @@ def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list
         record = dict(common, tensor="*", status=status, message=f"{type(error).__name__}: {error}",
                       duration_s=time.perf_counter() - start)
         if status == "crash":
-            raise BackendCrash(record["message"]) from error
+            raise BackendCrash(record) from error
         return [record]
     duration = time.perf_counter() - start
     if test == "invariants":

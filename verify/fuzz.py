@@ -45,7 +45,7 @@ from hypothesis.errors import Flaky
 from fixtures.families import FAMILIES, TIERS, stable_seed
 from fixtures.strategies import cases
 from verify import environment, results
-from verify.checks import backend_fn, check_case, failure_message, replay_command
+from verify.checks import backend_fn, check_case, failure_message
 from verify.limits import BOUND_LIMIT
 from verify.runner import BackendCrash
 
@@ -109,15 +109,13 @@ class Search:
             for test in self.tests:
                 try:
                     records += check_case(spec, case_id, test, self.device)
-                except BackendCrash as error:  # the device is unusable now: report this case, unshrunk
-                    records.append(dict(kind="result", backend=spec, case=case_id, family=family, test=test,
-                                        tensor="*", status="crash", message=str(error),
-                                        replay=replay_command(spec, case_id)))
+                except BackendCrash as crash:  # the device is unusable now: report this case, unshrunk
+                    records.append(crash.record)
                     self.crash = case_id, records
                     self.records += records
                     if self.verbose:
                         print("CRASH", flush=True)
-                    raise _Stop from error
+                    raise _Stop from crash
         self.records += records
         failing = [r for r in records if r["status"] in FAILED]
         bound = max((b for r in records if (b := results.number((r.get("stats") or {}).get("bound_ratio")))

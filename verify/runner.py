@@ -10,7 +10,12 @@ import torch
 
 
 class BackendCrash(RuntimeError):
-    """The backend left the device in an unusable state (e.g. a CUDA illegal address)."""
+    """The backend left the device in an unusable state (e.g. a CUDA illegal address). `record` is the result
+    record of the test it crashed (`verify.checks.check_case`'s), for the caller to keep."""
+
+    def __init__(self, record: dict):
+        super().__init__(record["message"])
+        self.record = record
 
 
 _DEVICE_FAULTS = ("CUDA error", "illegal memory access", "device-side assert", "unspecified launch failure",

@@ -98,8 +98,7 @@ class Session:
             # The device is unusable in this process: record, fail this test, then leave (pytest_runtest_logfinish)
             # so xdist replaces the worker and the other cases go on.
             self.crashed = True
-            self.write(dict(kind="result", backend=backend, case=case_id, family=case_from_id(case_id).family,
-                            test=test, tensor="*", status="crash", message=str(crash)))
+            self.write(crash.record)
             pytest.fail(f"{backend} crashed on {case_id} [{test}]: {crash}", pytrace=False)
         # Where and when, so that a run's timeline per worker can be rebuilt from its results (scaling).
         placed = dict(worker=PROCESS, finished_at=time.time(), worker_launched_at=LAUNCHED_AT,
