@@ -19,12 +19,11 @@ from fixtures.case import OFFSETS_PAST_END, tail_rows
 from fixtures.families import HEAD_DIMS, TIERS
 from fixtures.profiles import PROFILES, SMOKE_CORPUS_WORK, SMOKE_FAMILIES
 from fixtures.spec import spec_id
-from fixtures.strategies import cases
+from fixtures.strategies import SMALL_FAMILIES, cases
 from fixtures.values import HUGE_EQUAL, LOGIT_FLOOR, VALUE_FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL, MEDIUM = range(100), range(100, 200)
-SMALL_FAMILIES = [name for name, family in FAMILIES.items() if "small" in family.tiers]
 LARGE_ONLY = [name for name, family in FAMILIES.items() if family.tiers == ("large",)]
 PINNED = {"kv_empty_q_nonempty": {0, 1, 2, 100, 101}}  # FAILURES.md inputs, not the family's random shape
 

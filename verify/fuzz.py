@@ -42,8 +42,8 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings, tar
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import Flaky
 
-from fixtures.families import FAMILIES, TIERS, stable_seed
-from fixtures.strategies import cases
+from fixtures.families import TIERS, stable_seed
+from fixtures.strategies import SMALL_FAMILIES, cases
 from verify import environment, results
 from verify.checks import backend_fn, check_case, failure_message
 from verify.limits import BOUND_LIMIT
@@ -159,14 +159,13 @@ def search_family(args, state: Search, family: str, round_seed: int, examples: i
         raise
 
 
-def search(args) -> Search:
+def search(args, device: torch.device) -> Search:
     """The families' searches in turn, round after round, until each has drawn args.examples cases, a backend
     crashes or the time budget ends."""
-    order = list(dict.fromkeys(args.family)) or [name for name, family in FAMILIES.items() if "small" in family.tiers]
+    order = list(dict.fromkeys(args.family)) or list(SMALL_FAMILIES)
     random.Random(args.seed).shuffle(order)
     state = Search(backends=args.backend, tests=args.test or list(TESTS),
-                   device=torch.device("cuda" if torch.cuda.is_available() else "cpu"),
-                   deadline=None if args.seconds is None else time.monotonic() + args.seconds,
+                   device=device, deadline=None if args.seconds is None else time.monotonic() + args.seconds,
                    verbose=args.verbose, steer=args.steer)
     per_round = args.examples if args.seconds is None else min(args.examples, ROUND_EXAMPLES)
     with warnings.catch_warnings():
@@ -256,10 +255,10 @@ def main(args) -> int:
 
     for plugin in args.plugin:
         importlib.import_module(plugin)
-    unknown = [name for name in args.family if name not in FAMILIES or "small" not in FAMILIES[name].tiers]
+    unknown = [name for name in args.family if name not in SMALL_FAMILIES]
     if unknown:
-        small = sorted(name for name, family in FAMILIES.items() if "small" in family.tiers)
-        return usage(f"--family {unknown[0]}: not a family with small cases (one of {', '.join(small)})")
+        return usage(f"--family {unknown[0]}: not a family with small cases (one of "
+                     f"{', '.join(sorted(SMALL_FAMILIES))})")
     if args.examples < 1 or args.max_work < 1:
         return usage("--examples and --max-work must be at least 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -272,7 +271,7 @@ def main(args) -> int:
             return usage(f"--backend {spec} is unavailable on {device}: {reason}")
     if args.seed is None:
         args.seed = random.randrange(2**32)
-    state = search(args)
+    state = search(args, device)
     if args.results_out:
         results.write(args.results_out, dict(environment.collect(state.device.type), backends=args.backend,
                                              fuzz=dict(seed=args.seed, families=args.family or "all",
