@@ -14,8 +14,9 @@ from jfa.backends import attention_fn
 from tests.helpers import ScaledGradient, counting_model
 from verify.checks import check_case
 from verify.context import case_context
-from verify.invariants import compare_sub_batch, sub_batch
+from verify.invariants import compare_sub_batch
 from verify.runner import run
+from verify.sub_batch import sub_batch
 
 
 @pytest.mark.parametrize("case_id", ["empty_middle:0", "power_law:1", "broadcast_q:0"])
@@ -28,7 +29,7 @@ def test_sub_batch_comparison_names_the_changed_sequence(case_id):
     whole = run(model, inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout,
                 inputs.kwargs, backward=True)
     order = torch.randperm(ctx.problem.batch, generator=torch.Generator().manual_seed(0)).tolist()
-    sub_args, out_parts, kv_parts = sub_batch(ctx, order)
+    sub_args, out_parts, kv_parts = sub_batch(ctx.problem, ctx.inputs, order)
     part = run(model, *sub_args, {**inputs.kwargs, "max_q_len": None, "max_kv_len": None}, backward=True)
     assert compare_sub_batch(ctx, whole, part, order, out_parts, kv_parts) == []
 

@@ -13,6 +13,7 @@ from jfa.problem import Problem
 from verify.context import CaseContext
 from verify.guards import GuardedAllocations, allocation_bytes
 from verify.runner import Outputs, is_device_fault, nan_filled_allocations, run, run_backwards
+from verify.sub_batch import cat_rows, offsets_of, sequence_rows, sub_batch, tensor_rows
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -38,47 +39,6 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"{int(differ.sum())} elements differ, first at {index}: {float(a[index])!r} vs {float(b[index])!r}"
 
 
-def sub_batch(ctx: CaseContext, order: list[int]):
-    """The case's inputs restricted to sequences `order` (in that order), and per sequence the
-    (old rows, new rows) of its q/out and kv rows."""
-    problem, inputs = ctx.problem, ctx.inputs
-    q_parts, out_parts, kv_parts = _sequence_rows(problem, order)
-
-    def offsets(parts):
-        return _offsets_of(torch.tensor([p.numel() for p in parts], dtype=torch.int64))
-
-    device = inputs.q.device
-    out_rows, kv_rows = _cat_rows(out_parts).to(device), _cat_rows(kv_parts).to(device)
-    q = inputs.q if problem.broadcast_q else inputs.q[_cat_rows(q_parts).to(device)]
-    k, v = inputs.k[kv_rows], inputs.v[kv_rows]
-    dout = inputs.dout[out_rows]
-    q_off = None if problem.broadcast_q else offsets(q_parts).to(device)
-    kv_off = offsets(kv_parts).to(device)
-    return (q, k, v, q_off, kv_off, dout), out_parts, kv_parts
-
-
-def _sequence_rows(problem: Problem, order: list[int]):
-    """Per sequence of `order`, its rows of q, of out (and dout) and of k/v: three lists of index tensors."""
-    def rows(offsets):
-        return [torch.arange(int(offsets[b]), int(offsets[b + 1])) for b in order]
-
-    return rows(problem.q_offsets_host), rows(problem.out_offsets_host), rows(problem.kv_offsets_host)
-
-
-def _tensor_rows(problem: Problem, out_parts, kv_parts) -> dict:
-    """Which per-sequence rows (and along which axis) each result tensor holds: {name: (parts, axis)}; dq only
-    without broadcast_q, whose dq is every sequence's sum."""
-    per_tensor = {"out": (out_parts, 0), "lse": (out_parts, 1), "dk": (kv_parts, 0), "dv": (kv_parts, 0)}
-    if not problem.broadcast_q:
-        per_tensor["dq"] = (out_parts, 0)  # q rows and out rows coincide without broadcast
-    return per_tensor
-
-
-def _offsets_of(lengths: torch.Tensor) -> torch.Tensor:
-    """int32 offsets [B+1] of int64 sequence lengths [B] (on their device)."""
-    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
-
-
 def compare_sub_batch(ctx: CaseContext, whole: Outputs, part: Outputs, order, out_parts, kv_parts,
                       names=("out", "lse", "dq", "dk", "dv")) -> list[str]:
     """Bitwise comparison of each sequence's rows in `part` (a re-run on a sub-batch) with `whole`, for the
@@ -87,11 +47,11 @@ def compare_sub_batch(ctx: CaseContext, whole: Outputs, part: Outputs, order, ou
     One gather and one comparison per tensor: a per-sequence loop costs a few device synchronisations per
     sequence, which on cases with thousands of sequences made this the slowest check of a premerge run."""
     problems = []
-    for name, (parts, axis) in _tensor_rows(ctx.problem, out_parts, kv_parts).items():
+    for name, (parts, axis) in tensor_rows(ctx.problem, out_parts, kv_parts).items():
         if name not in names:
             continue
         whole_t, part_t = getattr(whole, name), getattr(part, name)
-        old_rows = _cat_rows(parts).to(whole_t.device)
+        old_rows = cat_rows(parts).to(whole_t.device)
         expected = whole_t.index_select(axis, old_rows)
         if bitwise_equal(expected, part_t):
             continue
@@ -106,10 +66,6 @@ def compare_sub_batch(ctx: CaseContext, whole: Outputs, part: Outputs, order, ou
         a, c = (t.narrow(axis, start, int(lengths[i])) for t in (expected, part_t))
         problems.append(f"{name} of sequence {order[i]}: {first_difference(a, c)}")
     return problems
-
-
-def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 def _differing_rows(a: torch.Tensor, b: torch.Tensor, axis: int) -> torch.Tensor:
@@ -216,7 +172,7 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
         order = torch.randperm(ctx.problem.batch, generator=torch.Generator().manual_seed(ctx.case.seed)).tolist()
         runs = [("batch_permuted", order)] + [("batch_alone", [b]) for b in _alone_samples(ctx.problem)]
         for name, sub_order in runs:
-            sub_args, out_parts, kv_parts = sub_batch(ctx, sub_order)
+            sub_args, out_parts, kv_parts = sub_batch(ctx.problem, ctx.inputs, sub_order)
             sub_out = run(fn, *sub_args, sub_kwargs, backward=True)
             findings[name] += compare_sub_batch(ctx, base, sub_out, sub_order, out_parts, kv_parts, names)
             if unordered_dq and not ctx.problem.broadcast_q:  # broadcast_q's dq is the batch's sum: not compared
@@ -291,9 +247,9 @@ def _isolation(fn, ctx: CaseContext, base: Outputs, names) -> tuple[list[str], l
     got = run(fn, q, poisoned(inputs.k, kv_row), poisoned(inputs.v, kv_row), inputs.q_offsets, inputs.kv_offsets,
               poisoned(inputs.dout, int(problem.out_offsets_host[b])), inputs.kwargs, backward=True)
     others = [i for i in range(problem.batch) if i != b]
-    _, out_parts, kv_parts = _sequence_rows(problem, others)
-    rows = _tensor_rows(problem, out_parts, kv_parts)
-    others_only = Outputs(**{name: t.index_select(rows[name][1], _cat_rows(rows[name][0]).to(t.device))
+    _, out_parts, kv_parts = sequence_rows(problem, others)
+    rows = tensor_rows(problem, out_parts, kv_parts)
+    others_only = Outputs(**{name: t.index_select(rows[name][1], cat_rows(rows[name][0]).to(t.device))
                              if name in rows else t for name, t in vars(got).items()})
     found = []
     for part in (("out", "lse"), ("dq", "dk", "dv")):
@@ -318,7 +274,7 @@ def _rerun_in(buffers, fn, inputs, base: Outputs) -> list[str]:
 def _rotated_buffers(fn, inputs) -> tuple:
     """Offsets buffers that served a call first, for backends that waive batch invariance (no checked
     sub-batch call to borrow them from): the case's rows with the sequence lengths rotated by one."""
-    buffers = tuple(None if offsets is None else _offsets_of(offsets.long().diff().roll(1))
+    buffers = tuple(None if offsets is None else offsets_of(offsets.long().diff().roll(1))
                     for offsets in (inputs.q_offsets, inputs.kv_offsets))
     run(fn, inputs.q, inputs.k, inputs.v, *buffers, inputs.dout, inputs.kwargs, backward=True)
     return buffers
