@@ -76,6 +76,8 @@ def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list
     common = dict(kind="result", backend=spec, case=case_id, family=ctx.case.family, test=test,
                   config=kernel_config(spec, ctx.problem), replay=replay_command(spec, case_id),
                   context_s=time.perf_counter() - start)
+    if ctx.sample is not None:
+        common["graded"] = ctx.sample.describe()
     too_costly = verify_skip(spec, ctx.problem, device)
     if too_costly:
         return [dict(common, tensor="*", status="skip", message=f"not run here: {too_costly}")]
@@ -111,12 +113,19 @@ def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list
                      message="; ".join(problems) or None, duration_s=duration)
                 for name, problems in findings.items()]
     records = []
-    for label, name, got, context in graded:
+    for label, name, whole, context in graded:
+        got = ctx.graded(name, whole)
+        if got is None:
+            records.append(dict(context, tensor=label, status="skip", duration_s=duration,
+                                message=f"not graded: {name} is every sequence's sum, and the case is "
+                                        f"{context['graded']}"))
+            continue
         ref, bound, logit_bound = ctx.reference.tensors()[name]
         start = time.perf_counter()
         stats = compare(name, got, ref, bound, logit_bound, ctx.exact[name], ctx.row_offsets[name],
                         ctx.problem.dtype, getattr(ctx.baseline, name),
-                        head_dim=max(ctx.problem.head_dim, ctx.problem.head_dim_v))
+                        head_dim=max(ctx.problem.head_dim, ctx.problem.head_dim_v),
+                        sequence_ids=None if ctx.sample is None else ctx.sample.order)
         records.append({**context, **tensor_record(stats), "tensor": label, "duration_s": duration,
                         "stats_s": time.perf_counter() - start})
     return records
@@ -142,6 +151,8 @@ def failure_message(records: list[dict]) -> str:
             )
         else:
             lines.append(head + (r.get("message") or r["status"]))
+        if r.get("graded"):
+            lines[-1] += f" ({r['graded']})"
     if lines:
         lines.append("replay: " + records[0]["replay"])
     return "\n".join(lines)

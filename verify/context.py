@@ -1,11 +1,12 @@
 """Everything the checks of one case need, computed once per worker and cached by case id: the inputs,
 the validated problem, the float64 reference with bounds, the exact-value masks and the bf16 model's
-outputs (the same-dtype baseline)."""
+outputs (the same-dtype baseline); for a case too large for a whole reference, these last three of a sample of
+its sequences (`verify.graded`)."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -14,7 +15,9 @@ from jfa.backends import attention_fn
 from jfa.problem import Problem
 from jfa.validation import validate
 from reference.exact import Reference, reference
+from verify import graded
 from verify.runner import Outputs, run
+from verify.sub_batch import sub_batch
 
 
 @dataclass
@@ -22,6 +25,8 @@ class CaseContext:
     case: Case
     inputs: CaseInputs
     problem: Problem
+    # The sequences the reference, baseline, exact masks and row offsets cover, where not the whole case.
+    sample: graded.Sample | None
     reference: Reference
     baseline: Outputs
     exact: dict[str, torch.Tensor]  # per tensor: where the contract fixes the value exactly
@@ -31,6 +36,10 @@ class CaseContext:
     backward_runs: dict[str, Outputs] = field(default_factory=dict)
     # ... and its deterministic=True run, where it makes one (a backend declaring dq_order).
     ordered_runs: dict[str, Outputs] = field(default_factory=dict)
+
+    def graded(self, name: str, t: torch.Tensor) -> torch.Tensor | None:
+        """A result tensor of the case's call at the rows the reference covers (None: not graded here)."""
+        return t if self.sample is None else self.sample.view(name, t)
 
 
 def problem_of(inputs: CaseInputs) -> Problem:
@@ -58,18 +67,26 @@ def exact_masks(problem: Problem, ref: Reference, shapes: dict[str, tuple]) -> d
 @functools.lru_cache(maxsize=1)
 def case_context(case_id: str, device_type: str) -> CaseContext:
     case = case_from_id(case_id)
-    device = torch.device(device_type)
-    inputs = make_inputs(case, device)
+    inputs = make_inputs(case, torch.device(device_type))
     problem = problem_of(inputs)
-    ref = reference(inputs.q, inputs.k, inputs.v, problem, inputs.dout)
+    sample = graded.sample(problem, case.seed)
+    graded_inputs, graded_problem = inputs, problem
+    if sample is not None:
+        # A sub-batch is called without max_*_len: the sample's maxima are smaller than the case's.
+        (q, k, v, q_offsets, kv_offsets, dout), _, _ = sub_batch(problem, inputs, sample.order)
+        graded_inputs = replace(inputs, q=q, k=k, v=v, q_offsets=q_offsets, kv_offsets=kv_offsets, dout=dout,
+                                kwargs={**inputs.kwargs, "max_q_len": None, "max_kv_len": None})
+        graded_problem = problem_of(graded_inputs)
+    ref = reference(graded_inputs.q, graded_inputs.k, graded_inputs.v, graded_problem, graded_inputs.dout)
     model, _ = attention_fn("bf16-model")
-    baseline = run(model, inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout,
-                   inputs.kwargs, backward=True)
+    baseline = run(model, graded_inputs.q, graded_inputs.k, graded_inputs.v, graded_inputs.q_offsets,
+                   graded_inputs.kv_offsets, graded_inputs.dout, graded_inputs.kwargs, backward=True)
     shapes = {name: tuple(t.shape) for name, t in baseline.named().items()}
-    q_rows = torch.tensor([0, problem.q_rows]) if problem.broadcast_q else problem.q_offsets_host
+    p = graded_problem
+    q_rows = torch.tensor([0, p.q_rows]) if p.broadcast_q else p.q_offsets_host
     return CaseContext(
-        case=case, inputs=inputs, problem=problem, reference=ref, baseline=baseline,
-        exact=exact_masks(problem, ref, shapes),
-        row_offsets={"out": problem.out_offsets_host, "lse": problem.out_offsets_host, "dq": q_rows,
-                     "dk": problem.kv_offsets_host, "dv": problem.kv_offsets_host},
+        case=case, inputs=inputs, problem=problem, sample=sample, reference=ref, baseline=baseline,
+        exact=exact_masks(graded_problem, ref, shapes),
+        row_offsets={"out": p.out_offsets_host, "lse": p.out_offsets_host, "dq": q_rows,
+                     "dk": p.kv_offsets_host, "dv": p.kv_offsets_host},
     )

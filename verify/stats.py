@@ -144,8 +144,11 @@ def compare(
     dtype: torch.dtype,
     baseline: torch.Tensor | None = None,
     head_dim: int = 0,
+    sequence_ids: list[int] | None = None,
 ) -> TensorStats:
-    """Statistics of `got` against the float64 `ref`; `exact_mask` marks elements the contract fixes."""
+    """Statistics of `got` against the float64 `ref`; `exact_mask` marks elements the contract fixes.
+    `sequence_ids`: the case's index of each sequence of `row_offsets`, where they are a sample of its
+    sequences (`verify.graded`): locations and per-sequence figures then name those."""
     device = ref.device
     x = as_rows(got.detach().to(device, torch.float64), name)
     r = as_rows(ref, name)
@@ -189,7 +192,7 @@ def compare(
     if elements:
         flat = int(torch.argmax(ratio))
         row, head, col = np.unravel_index(flat, tuple(ratio.shape))
-        worst = _locate(row_offsets, int(row), int(head), int(col), name)
+        worst = _locate(row_offsets, int(row), int(head), int(col), name, sequence_ids)
         worst.update(value=float(x[row, head, col]), reference=float(r[row, head, col]),
                      bound=float(b[row, head, col]), ratio=float(ratio[row, head, col]))
 
@@ -214,7 +217,8 @@ def compare(
         baseline_ratio = _max(block_ratio)
         if block_ratio.numel():
             s, h = np.unravel_index(int(torch.argmax(block_ratio)), tuple(block_ratio.shape))
-            worst_block = dict(sequence=int(s), head=int(h), err=float(block_err[s, h]),
+            sequence = int(s) if sequence_ids is None else sequence_ids[int(s)]
+            worst_block = dict(sequence=sequence, head=int(h), err=float(block_err[s, h]),
                                baseline_err=float(block_base[s, h]), ratio=float(block_ratio[s, h]))
         base_signed = torch.where(graded & torch.isfinite(xb), xb - r, 0.0)
         base_bias, base_bias_mag, _ = _bias(base_signed, r, b, graded & (b > 0))
@@ -239,21 +243,27 @@ def compare(
         bound_ratio=_max(ratio), baseline_ratio=baseline_ratio, bias_mean=bias_mean,
         bias_magnitude_mean=bias_mag, bias_p=bias_p, baseline_bias_mean=base_bias,
         baseline_bias_magnitude_mean=base_bias_mag, worst=worst, worst_baseline_block=worst_block,
-        per_sequence=_per_sequence(lengths, block_err, seq_ratio), checks=checks,
+        per_sequence=_per_sequence(lengths, block_err, seq_ratio, sequence_ids), checks=checks,
     )
 
 
-def _locate(row_offsets: torch.Tensor, row: int, head: int, col: int, name: str) -> dict:
+def _locate(row_offsets: torch.Tensor, row: int, head: int, col: int, name: str,
+            sequence_ids: list[int] | None = None) -> dict:
     offsets = row_offsets.cpu()
     seq = int(torch.searchsorted(offsets[1:], torch.tensor(row), right=True)) if offsets.numel() > 1 else 0
-    return dict(sequence=seq, row=row - int(offsets[seq]), head=head, column=None if name == "lse" else col)
+    return dict(sequence=seq if sequence_ids is None else sequence_ids[seq], row=row - int(offsets[seq]),
+                head=head, column=None if name == "lse" else col)
 
 
-def _per_sequence(lengths: torch.Tensor, block_err: torch.Tensor, seq_ratio: torch.Tensor, limit: int = 512) -> dict:
-    """Per-sequence length, max error and max bound ratio (at most `limit` sequences, spread evenly)."""
+def _per_sequence(lengths: torch.Tensor, block_err: torch.Tensor, seq_ratio: torch.Tensor,
+                  sequence_ids: list[int] | None = None, limit: int = 512) -> dict:
+    """Per-sequence length, max error and max bound ratio (at most `limit` sequences, spread evenly), and the
+    sequences' indices in the case where they are a sample of its sequences."""
     n = lengths.numel()
     pick = torch.arange(n) if n <= limit else torch.linspace(0, n - 1, limit).round().long()
+    ids = {} if sequence_ids is None else {"sequence": [sequence_ids[i] for i in pick.tolist()]}
     return dict(
+        **ids,
         length=lengths[pick].tolist(),
         max_err=block_err.amax(-1).cpu()[pick].tolist() if block_err.numel() else [],
         bound_ratio=seq_ratio.amax(-1).cpu()[pick].tolist() if seq_ratio.numel() else [],

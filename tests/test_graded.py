@@ -1,0 +1,118 @@
+"""verify.graded: a case too large for a whole reference is graded on a sample of its sequences, which holds
+every sequence past the int32 index limit and catches a kernel whose row addressing wraps there. On the CPU
+the limits are scaled down (monkeypatched) so that small cases exercise the same code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import jfa
+import tests.planted  # noqa: F401  (registers the emulator backend)
+from fixtures.families import case_from_id
+from fixtures.profiles import profile_case_ids
+from reference.exact import reference
+from verify import graded
+from verify.checks import check_case, failure_message
+from verify.context import case_context
+
+CPU = torch.device("cpu")
+CASE = "many_tiny:1"
+
+
+def wrapped_rows(q, k, v, q_offsets, kv_offsets, **kwargs):
+    """The clean emulator reading q's rows as a kernel computing row·stride in int32 would, with the wrap at
+    graded.INDEX_LIMIT elements instead of 2^31: rows past the limit read earlier rows."""
+    width = q.shape[1] * q.shape[2]
+    rows = torch.arange(q.shape[0], device=q.device)
+    return jfa.attention(q[(rows * width) % graded.INDEX_LIMIT // width], k, v, q_offsets, kv_offsets,
+                         backend="emulator", **kwargs)
+
+
+@pytest.fixture
+def scaled_limits(monkeypatch):
+    """WHOLE_LIMIT 0 (every case sampled); INDEX_LIMIT at 3/4 of CASE's out rows; SAMPLE_BUDGET half its size.
+    The case context is rebuilt under them and dropped after."""
+    case = case_from_id(CASE)
+    width = case.q_heads * max(case.head_dim, case.head_dim_v)
+    kv_width = case.kv_heads * max(case.head_dim, case.head_dim_v)
+    cost = sum(case.q_lens) * width + sum(case.kv_lens) * kv_width
+    monkeypatch.setattr(graded, "WHOLE_LIMIT", 0)
+    monkeypatch.setattr(graded, "INDEX_LIMIT", sum(case.q_lens) * 3 // 4 * width)
+    monkeypatch.setattr(graded, "SAMPLE_BUDGET", cost // 2)
+    case_context.cache_clear()
+    yield
+    case_context.cache_clear()
+
+
+def _sample_of(case_id: str, seed: int | None = None):
+    case = case_from_id(case_id)
+    width = max(case.head_dim, case.head_dim_v)
+    out_lens = [case.q_lens[0]] * len(case.kv_lens) if case.broadcast_q else case.q_lens  # broadcast: q per kv
+    return graded.choose(torch.tensor(out_lens), torch.tensor(case.kv_lens), case.q_heads * width,
+                         case.kv_heads * width, case.seed if seed is None else seed)
+
+
+def test_nightly_samples_only_the_offset_overflow_cases_and_keeps_their_rows_past_the_limit():
+    """Every nightly case but offset_overflow's is graded whole (WHOLE_LIMIT is above them all); of those two,
+    the sample holds every sequence past 2^31 elements, the first, and sequences drawn, within the budget."""
+    sampled = {}
+    for case_id in profile_case_ids("nightly"):
+        chosen = _sample_of(case_id)
+        if chosen is not None:
+            sampled[case_id] = chosen
+    assert sorted(sampled) == ["offset_overflow:200", "offset_overflow:201"]
+    for case_id, (order, past) in sampled.items():
+        case = case_from_id(case_id)
+        width = max(case.head_dim, case.head_dim_v)
+        assert set(torch.nonzero(past).flatten().tolist()) < set(order) and 0 in order, case_id
+        cost = sum(case.q_lens[b] * case.q_heads * width + case.kv_lens[b] * case.kv_heads * width for b in order)
+        assert cost <= graded.SAMPLE_BUDGET, case_id
+        assert len(order) > int(past.sum()) + 1, case_id  # some drawn at random
+        assert order != _sample_of(case_id, seed=case.seed + 1)[0], case_id  # drawn by the seed
+
+
+def test_the_sample_reference_is_the_whole_reference_at_its_rows(scaled_limits):
+    """Sequences are independent: the reference of the sub-batch equals the whole case's at the sampled rows
+    (to float64 rounding: the reference groups sequences into buckets by length, which the sample changes)."""
+    ctx = case_context(CASE, "cpu")
+    sample = ctx.sample
+    assert sample is not None and 0 < len(sample.order) < ctx.problem.batch and sample.past_limit > 0
+    assert sample.past_limit == sample.past_total
+    inputs = ctx.inputs
+    whole = reference(inputs.q, inputs.k, inputs.v, ctx.problem, inputs.dout)
+    for name, (value, bound, _) in ctx.reference.tensors().items():
+        torch.testing.assert_close(value, sample.view(name, whole.values[name]), rtol=1e-12, atol=1e-300,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(bound, sample.view(name, whole.bounds[name]), rtol=1e-6, atol=0,
+                                   msg=lambda m, name=name: f"{name} bound: {m}")
+
+
+def test_sampled_grading_passes_the_clean_emulator_and_catches_rows_read_wrapped(scaled_limits):
+    records = [r for test in ("forward", "backward", "invariants") for r in check_case("emulator", CASE, test, CPU)]
+    assert records and all(r["status"] == "pass" for r in records), [r for r in records if r["status"] != "pass"]
+    sample = case_context(CASE, "cpu").sample
+    assert all(r["graded"] == sample.describe() for r in records)
+    assert f"graded on {len(sample.order)} of {sample.batch} sequences" in sample.describe()
+
+    wrapped = check_case("tests.test_graded:wrapped_rows", CASE, "forward", CPU)
+    out = next(r for r in wrapped if r["tensor"] == "out")
+    assert out["status"] == "fail" and not out["checks"]["bound"]
+    problem = case_context(CASE, "cpu").problem
+    out_ends = problem.out_offsets_host[1:].long() * problem.q_heads * max(problem.head_dim, problem.head_dim_v)
+    first_past = int(torch.searchsorted(out_ends, graded.INDEX_LIMIT, right=True))
+    assert out["worst"]["sequence"] in sample.order and out["worst"]["sequence"] >= first_past
+    assert sample.describe() in failure_message(wrapped)
+
+
+def test_broadcast_dq_is_not_graded_on_a_sample(monkeypatch):
+    """With broadcast_q dq is every sequence's sum: a sample's reference cannot grade it, so it is skipped with
+    the reason, and dk and dv are graded."""
+    monkeypatch.setattr(graded, "WHOLE_LIMIT", 0)
+    case_context.cache_clear()
+    try:
+        records = {r["tensor"]: r for r in check_case("emulator", "broadcast_q:1", "backward", CPU)}
+    finally:
+        case_context.cache_clear()
+    assert records["dq"]["status"] == "skip" and "every sequence's sum" in records["dq"]["message"]
+    assert records["dk"]["status"] == records["dv"]["status"] == "pass"
