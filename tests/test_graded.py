@@ -12,7 +12,7 @@ import tests.planted  # noqa: F401  (registers the emulator backend)
 from fixtures.families import case_from_id
 from fixtures.profiles import profile_case_ids
 from reference.exact import reference
-from verify import graded
+from verify import graded, results
 from verify.checks import check_case, failure_message
 from verify.context import case_context
 
@@ -93,6 +93,8 @@ def test_sampled_grading_passes_the_clean_emulator_and_catches_rows_read_wrapped
     assert records and all(r["status"] == "pass" for r in records), [r for r in records if r["status"] != "pass"]
     sample = case_context(CASE, "cpu").sample
     assert all(r["graded"] == sample.describe() for r in records)
+    whole = dict(records[0], case="uniform:0", graded=None)  # a case graded whole adds no line
+    assert results.sampled_summary([*records, whole]) == [f"{CASE} {sample.describe()}"]
     assert f"graded on {len(sample.order)} of {sample.batch} sequences" in sample.describe()
 
     wrapped = check_case("tests.test_graded:wrapped_rows", CASE, "forward", CPU)

@@ -150,7 +150,7 @@ def pytest_terminal_summary(terminalreporter, config):
     records = results.merge(parts, path, run)
     terminalreporter.section("jfa verify summary")
     terminalreporter.write_line(results.summary_table(records))
-    for line in results.paths_summary(records):
+    for line in results.paths_summary(records) + results.sampled_summary(records):
         terminalreporter.write_line(line)
     terminalreporter.write_line(f"results: {path} ({len(records)} records)")
     if sys.dont_write_bytecode:

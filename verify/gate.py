@@ -455,9 +455,11 @@ def _gate(args) -> int:
     for plugin in args.plugin:
         importlib.import_module(plugin)
     comparison = compare(records, entries, requested, args.compare_as)
-    paths = results.paths_summary(records)
-    if paths:  # which kernels the records exercised: a PASS over records that never reached one says nothing of it
-        print("\n" + "\n".join(paths))
+    # Which kernels the records exercised (a PASS over records that never reached one says nothing of it), and
+    # which cases they graded on a sample of their sequences.
+    notes = results.paths_summary(records) + results.sampled_summary(records)
+    if notes:
+        print("\n" + "\n".join(notes))
     failed = _print_comparison(comparison, args.strict)
     if args.update:
         merged = updated_entries(entries, records, comparison, args.accept_regressions, args.compare_as)

@@ -242,3 +242,10 @@ def paths_summary(records: list[dict]) -> list[str]:
                 counts = sorted((-len(cases), name) for name, cases in kinds[kind].items())
                 lines.append(f"{backend} {kind} paths (cases): " + "; ".join(f"{name} {-n}" for n, name in counts))
     return lines
+
+
+def sampled_summary(records: list[dict]) -> list[str]:
+    """One line per case graded on a sample of its sequences (`verify.graded`): a pass there covers those
+    sequences' rows, not the whole case's."""
+    graded = {r["case"]: r["graded"] for r in records if r.get("kind") == "result" and r.get("graded")}
+    return [f"{case} {note}" for case, note in sorted(graded.items())]
