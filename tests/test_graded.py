@@ -9,6 +9,7 @@ import torch
 
 import jfa
 import tests.planted  # noqa: F401  (registers the emulator backend)
+from fixtures.case import layout_of
 from fixtures.families import case_from_id
 from fixtures.profiles import profile_case_ids
 from reference.exact import reference
@@ -46,30 +47,41 @@ def scaled_limits(monkeypatch):
 
 
 def _sample_of(case_id: str, seed: int | None = None):
+    """graded.choose on a case's lengths and layout (meta tensors: the overflow cases' values would take 22 GB)."""
     case = case_from_id(case_id)
     width = max(case.head_dim, case.head_dim_v)
     out_lens = [case.q_lens[0]] * len(case.kv_lens) if case.broadcast_q else case.q_lens  # broadcast: q per kv
-    return graded.choose(torch.tensor(out_lens), torch.tensor(case.kv_lens), case.q_heads * width,
-                         case.kv_heads * width, case.seed if seed is None else seed)
+    reaches = graded.reaches(case, *layout_of(case))
+    chosen = graded.choose(torch.tensor(out_lens), torch.tensor(case.kv_lens), reaches, case.q_heads * width,
+                           case.kv_heads * width, case.seed if seed is None else seed)
+    return chosen, reaches, torch.tensor(out_lens), torch.tensor(case.kv_lens)
 
 
-def test_nightly_samples_only_the_offset_overflow_cases_and_keeps_their_rows_past_the_limit():
-    """Every nightly case but offset_overflow's is graded whole (WHOLE_LIMIT is above them all); of those two,
-    the sample holds every sequence past 2^31 elements, the first, and sequences drawn, within the budget."""
+def test_nightly_samples_only_the_offset_overflow_cases_and_their_rows_past_the_limit():
+    """Every nightly case but offset_overflow's is graded whole (WHOLE_LIMIT is above them all). Of those two, the
+    sample holds, within the budget, the last sequence and each tensor's first sequence past 2^31 elements (q's and
+    dout's, whose rows offset_overflow:201 lays out twice as far apart), every sequence past the limit where they
+    fit (offset_overflow:200), the first sequence and sequences drawn by the seed."""
     sampled = {}
     for case_id in profile_case_ids("nightly"):
-        chosen = _sample_of(case_id)
+        chosen, reaches, out_lens, kv_lens = _sample_of(case_id)
         if chosen is not None:
-            sampled[case_id] = chosen
+            sampled[case_id] = chosen, reaches, out_lens, kv_lens
     assert sorted(sampled) == ["offset_overflow:200", "offset_overflow:201"]
-    for case_id, (order, past) in sampled.items():
+    for case_id, ((order, past), reaches, out_lens, kv_lens) in sampled.items():
         case = case_from_id(case_id)
         width = max(case.head_dim, case.head_dim_v)
-        assert set(torch.nonzero(past).flatten().tolist()) < set(order) and 0 in order, case_id
+        lens = {"out": out_lens, "kv": kv_lens}
+        firsts = {int(torch.nonzero((lens[side].cumsum(0) - 1) * a + b >= 2**31).flatten()[0])
+                  for side, a, b in reaches if int(lens[side].sum() - 1) * a + b >= 2**31}
+        assert firsts and firsts <= set(order) and int(torch.nonzero(past).max()) in order and 0 in order, case_id
         cost = sum(case.q_lens[b] * case.q_heads * width + case.kv_lens[b] * case.kv_heads * width for b in order)
         assert cost <= graded.SAMPLE_BUDGET, case_id
-        assert len(order) > int(past.sum()) + 1, case_id  # some drawn at random
-        assert order != _sample_of(case_id, seed=case.seed + 1)[0], case_id  # drawn by the seed
+        assert len(order) > int(past[order].sum()) + 1, case_id  # some drawn at random
+        assert order != _sample_of(case_id, seed=case.seed + 1)[0][0], case_id
+    (order, past), *_ = sampled["offset_overflow:200"]
+    assert set(torch.nonzero(past).flatten().tolist()) < set(order)
+    assert len(firsts) == 2  # offset_overflow:201: dout's limit and q's (and the results') lie apart
 
 
 def test_the_sample_reference_is_the_whole_reference_at_its_rows(scaled_limits):
@@ -78,7 +90,6 @@ def test_the_sample_reference_is_the_whole_reference_at_its_rows(scaled_limits):
     ctx = case_context(CASE, "cpu")
     sample = ctx.sample
     assert sample is not None and 0 < len(sample.order) < ctx.problem.batch and sample.past_limit > 0
-    assert sample.past_limit == sample.past_total
     inputs = ctx.inputs
     whole = reference(inputs.q, inputs.k, inputs.v, ctx.problem, inputs.dout)
     for name, (value, bound, _) in ctx.reference.tensors().items():

@@ -69,7 +69,7 @@ def case_context(case_id: str, device_type: str) -> CaseContext:
     case = case_from_id(case_id)
     inputs = make_inputs(case, torch.device(device_type))
     problem = problem_of(inputs)
-    sample = graded.sample(problem, case.seed)
+    sample = graded.sample(problem, inputs, case.seed)
     graded_inputs, graded_problem = inputs, problem
     if sample is not None:
         # A sub-batch is called without max_*_len: the sample's maxima are smaller than the case's.

@@ -8,13 +8,15 @@ reference of a sub-batch of sequences is exactly the reference of their rows in 
 call runs whole, as its kernel must, and out, lse, dq, dk and dv are graded on the rows of the sampled
 sequences. The invariants, bitwise comparisons between whole runs, are unchanged.
 
-The sample: every sequence with an element at index 2³¹ or beyond in a row-major result tensor (the rows int32
-addressing cannot reach, FAILURES.md), then the first sequence, then sequences drawn at random (seeded by the
-case), each while the sample's size stays within SAMPLE_BUDGET.
+The sample: the sequences with an element at index 2³¹ or beyond in a tensor the call reads or writes by rows (the
+rows int32 addressing cannot reach, FAILURES.md: q, k, v and dout at their strides, the results contiguous), the
+last and those nearest each tensor's limit first; then the first sequence; then sequences drawn at random (seeded
+by the case); each while the sample's size stays within SAMPLE_BUDGET (3/4 of it for those past the limit).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -58,10 +60,31 @@ class Sample:
                 f"{drawn} drawn at random): the case is too large for a whole float64 reference")
 
 
-def sample(problem: Problem, seed: int) -> Sample | None:
+def reaches(spec, q, k, v, dout) -> list[tuple[str, int, int]]:
+    """Per tensor the call reads or writes by rows: (its rows' side, "out" or "kv"; a; b), row r's furthest
+    element lying at r·a + b from the tensor's start. q, k, v and dout at their strides (a non-contiguous dout's
+    rows lie twice as far apart: flash-attention #2611); the results contiguous, as a backend allocates them.
+    `spec`: a Problem, or a Case (whose inputs may be `fixtures.case.layout_of`'s meta tensors)."""
+    def strided(t):
+        return t.stride(0), sum((n - 1) * stride for n, stride in zip(t.shape[1:], t.stride()[1:], strict=True))
+
+    def contiguous(heads, dim):
+        return heads * dim, heads * dim - 1
+
+    found = [("out", *strided(dout)), ("out", *contiguous(spec.q_heads, spec.head_dim_v)),
+             ("out", 1, (spec.q_heads - 1) * spec.out_rows),  # lse [Hq, out rows]
+             ("kv", *strided(k)), ("kv", *strided(v)), ("kv", *contiguous(spec.kv_heads, spec.head_dim)),
+             ("kv", *contiguous(spec.kv_heads, spec.head_dim_v))]
+    if not spec.broadcast_q:  # with broadcast_q every sequence reads all of q, and dq is their sum
+        found += [("out", *strided(q)), ("out", *contiguous(spec.q_heads, spec.head_dim))]
+    return found
+
+
+def sample(problem: Problem, inputs, seed: int) -> Sample | None:
     """The sample a case is graded on, or None when it is graded whole (at most WHOLE_LIMIT elements)."""
     width = max(problem.head_dim, problem.head_dim_v)
     chosen = choose(problem.out_offsets_host.long().diff(), problem.kv_offsets_host.long().diff(),
+                    reaches(problem, inputs.q, inputs.k, inputs.v, inputs.dout),
                     problem.q_heads * width, problem.kv_heads * width, seed)
     if chosen is None:
         return None
@@ -72,20 +95,32 @@ def sample(problem: Problem, seed: int) -> Sample | None:
                   past_total=int(past.sum()), first=0 in order and not bool(past[0]), rows=rows)
 
 
-def choose(out_lens: torch.Tensor, kv_lens: torch.Tensor, out_width: int, kv_width: int, seed: int):
+def choose(out_lens: torch.Tensor, kv_lens: torch.Tensor, row_reaches, out_width: int, kv_width: int, seed: int):
     """(the sampled sequences, ascending; per sequence whether it has elements at index INDEX_LIMIT or beyond)
-    for sequences of `out_lens` output rows and `kv_lens` key rows of `out_width` and `kv_width` elements each,
-    or None when the case is graded whole."""
+    for sequences of `out_lens` output rows and `kv_lens` key rows (`out_width` and `kv_width` elements each,
+    the budget's measure) whose tensors reach as `row_reaches` says (`reaches`), or None when the case is graded
+    whole. Past the limit, each tensor's sequences nearest its limit come first, the tensors in turn, after the
+    last sequence: where a wrapped index first corrupts rows and where it is furthest wrapped."""
     cost = out_lens * out_width + kv_lens * kv_width
     if int(cost.sum()) <= WHOLE_LIMIT:
         return None
-    past = (out_lens.cumsum(0) * out_width > INDEX_LIMIT) | (kv_lens.cumsum(0) * kv_width > INDEX_LIMIT)
+    lens = {"out": out_lens, "kv": kv_lens}
+    per_tensor = [torch.nonzero((lens[side] > 0) & ((lens[side].cumsum(0) - 1) * a + b >= INDEX_LIMIT)).flatten()
+                  for side, a, b in row_reaches]
+    past = torch.zeros(cost.numel(), dtype=torch.bool)
+    for found in per_tensor:
+        past[found] = True
+    nearest_first = [b for turn in itertools.zip_longest(*(found.tolist() for found in per_tensor))
+                     for b in turn if b is not None]
     rest = torch.nonzero(~past).flatten()
     rest = rest[rest != 0]
     rest = rest[torch.randperm(rest.numel(), generator=torch.Generator().manual_seed(seed))]
+    last = [int(torch.nonzero(past).max())] if past.any() else []
     chosen, total = [], 0
-    for b in dict.fromkeys(torch.nonzero(past).flatten().tolist() + [0] + rest.tolist()):
-        if total + int(cost[b]) <= SAMPLE_BUDGET:  # the first sequence may be past the limit already
-            chosen.append(b)
-            total += int(cost[b])
+    # Sequences past the limit take at most 3/4 of the budget: the rest goes to sequences before it, the control.
+    for candidates, budget in ((last + nearest_first, SAMPLE_BUDGET * 3 // 4), ([0] + rest.tolist(), SAMPLE_BUDGET)):
+        for b in dict.fromkeys(candidates):
+            if total + int(cost[b]) <= budget:
+                chosen.append(b)
+                total += int(cost[b])
     return sorted(chosen), past
