@@ -29,8 +29,8 @@ def test_sub_batch_comparison_names_the_changed_sequence(case_id):
     whole = run(model, inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout,
                 inputs.kwargs, backward=True)
     order = torch.randperm(ctx.problem.batch, generator=torch.Generator().manual_seed(0)).tolist()
-    sub_args, out_parts, kv_parts = sub_batch(ctx.problem, ctx.inputs, order)
-    part = run(model, *sub_args, {**inputs.kwargs, "max_q_len": None, "max_kv_len": None}, backward=True)
+    sub, out_parts, kv_parts = sub_batch(ctx.problem, ctx.inputs, order)
+    part = run(model, sub.q, sub.k, sub.v, sub.q_offsets, sub.kv_offsets, sub.dout, sub.kwargs, backward=True)
     assert compare_sub_batch(ctx, whole, part, order, out_parts, kv_parts) == []
 
     with_keys = [i for i, rows in enumerate(kv_parts) if rows.numel()]

@@ -6,7 +6,7 @@ its sequences (`verify.graded`)."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -70,23 +70,17 @@ def case_context(case_id: str, device_type: str) -> CaseContext:
     inputs = make_inputs(case, torch.device(device_type))
     problem = problem_of(inputs)
     sample = graded.sample(problem, inputs, case.seed)
-    graded_inputs, graded_problem = inputs, problem
-    if sample is not None:
-        # A sub-batch is called without max_*_len: the sample's maxima are smaller than the case's.
-        (q, k, v, q_offsets, kv_offsets, dout), _, _ = sub_batch(problem, inputs, sample.order)
-        graded_inputs = replace(inputs, q=q, k=k, v=v, q_offsets=q_offsets, kv_offsets=kv_offsets, dout=dout,
-                                kwargs={**inputs.kwargs, "max_q_len": None, "max_kv_len": None})
-        graded_problem = problem_of(graded_inputs)
+    graded_inputs = inputs if sample is None else sub_batch(problem, inputs, sample.order)[0]
+    graded_problem = problem if sample is None else problem_of(graded_inputs)
     ref = reference(graded_inputs.q, graded_inputs.k, graded_inputs.v, graded_problem, graded_inputs.dout)
     model, _ = attention_fn("bf16-model")
     baseline = run(model, graded_inputs.q, graded_inputs.k, graded_inputs.v, graded_inputs.q_offsets,
                    graded_inputs.kv_offsets, graded_inputs.dout, graded_inputs.kwargs, backward=True)
     shapes = {name: tuple(t.shape) for name, t in baseline.named().items()}
-    p = graded_problem
-    q_rows = torch.tensor([0, p.q_rows]) if p.broadcast_q else p.q_offsets_host
+    q_rows = torch.tensor([0, graded_problem.q_rows]) if graded_problem.broadcast_q else graded_problem.q_offsets_host
     return CaseContext(
         case=case, inputs=inputs, problem=problem, sample=sample, reference=ref, baseline=baseline,
         exact=exact_masks(graded_problem, ref, shapes),
-        row_offsets={"out": p.out_offsets_host, "lse": p.out_offsets_host, "dq": q_rows,
-                     "dk": p.kv_offsets_host, "dv": p.kv_offsets_host},
+        row_offsets={"out": graded_problem.out_offsets_host, "lse": graded_problem.out_offsets_host, "dq": q_rows,
+                     "dk": graded_problem.kv_offsets_host, "dv": graded_problem.kv_offsets_host},
     )

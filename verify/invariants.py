@@ -170,21 +170,20 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
         findings.update({group: problems for group, problems in found.items() if group not in waived})
 
     findings["batch_permuted"], findings["batch_alone"], findings["offsets_reused"] = [], [], []
-    # A sub-batch is called without max_*_len, so a kernel whose arithmetic depends on them shows up too.
-    sub_kwargs = {**inputs.kwargs, "max_q_len": None, "max_kv_len": None}
     if ctx.problem.batch > 1:
         order = torch.randperm(ctx.problem.batch, generator=torch.Generator().manual_seed(ctx.case.seed)).tolist()
         runs = [("batch_permuted", order)] + [("batch_alone", [b]) for b in _alone_samples(ctx.problem)]
         for name, sub_order in runs:
-            sub_args, out_parts, kv_parts = sub_batch(ctx.problem, ctx.inputs, sub_order)
-            sub_out = run(fn, *sub_args, sub_kwargs, backward=True)
+            sub, out_parts, kv_parts = sub_batch(ctx.problem, inputs, sub_order)
+            sub_args = (sub.q, sub.k, sub.v, sub.q_offsets, sub.kv_offsets, sub.dout)
+            sub_out = run(fn, *sub_args, sub.kwargs, backward=True)
             findings[name] += compare_sub_batch(ctx, base, sub_out, sub_order, out_parts, kv_parts, names)
             if unordered_dq and not ctx.problem.broadcast_q:  # broadcast_q's dq is the batch's sum: not compared
-                sub_out = run(fn, *sub_args, sub_kwargs, backward=True, deterministic=True)
+                sub_out = run(fn, *sub_args, sub.kwargs, backward=True, deterministic=True)
                 findings[name] += compare_sub_batch(ctx, first, sub_out, sub_order, out_parts, kv_parts, ("dq",))
             if name == "batch_permuted":
                 # Its offsets buffers served a checked call of the case's size: now the case's own, in place.
-                findings["offsets_reused"] = _rerun_in(sub_args[3:5], fn, inputs, base)
+                findings["offsets_reused"] = _rerun_in((sub.q_offsets, sub.kv_offsets), fn, inputs, base)
 
     return _with_inputs_check(findings, inputs, before)
 

@@ -4,14 +4,17 @@ case too large for a whole reference (`verify.graded`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from jfa.problem import Problem
 
 
 def sub_batch(problem: Problem, inputs, order: list[int]):
-    """The case's inputs (q, k, v, q_offsets, kv_offsets, dout) restricted to sequences `order` (in that order),
-    and per sequence the old rows of its q/out and kv rows (their new rows follow in order)."""
+    """The case's inputs (a `fixtures.CaseInputs`) restricted to sequences `order` (in that order), and per
+    sequence the old rows of its q/out and kv rows (their new rows follow in order). The sub-batch's call has
+    no max_*_len: its maxima are not the case's, and a kernel whose arithmetic depends on them shows up too."""
     q_parts, out_parts, kv_parts = sequence_rows(problem, order)
 
     def offsets(parts):
@@ -22,9 +25,11 @@ def sub_batch(problem: Problem, inputs, order: list[int]):
     q = inputs.q if problem.broadcast_q else inputs.q[cat_rows(q_parts).to(device)]
     k, v = inputs.k[kv_rows], inputs.v[kv_rows]
     dout = inputs.dout[out_rows]
-    q_off = None if problem.broadcast_q else offsets(q_parts).to(device)
-    kv_off = offsets(kv_parts).to(device)
-    return (q, k, v, q_off, kv_off, dout), out_parts, kv_parts
+    q_offsets = None if problem.broadcast_q else offsets(q_parts).to(device)
+    kwargs = {**inputs.kwargs, "max_q_len": None, "max_kv_len": None}
+    sub = replace(inputs, q=q, k=k, v=v, q_offsets=q_offsets, kv_offsets=offsets(kv_parts).to(device), dout=dout,
+                  kwargs=kwargs)
+    return sub, out_parts, kv_parts
 
 
 def sequence_rows(problem: Problem, order: list[int]):
