@@ -519,9 +519,15 @@ def _dq_reduce_kernel(Part, DQ, Sources, n_parts, n_elem, n_heads, head_dim, BLO
     Sources[h, j] (int32 [n_heads, n_parts], -1: none; DQ is [rows, n_heads, head_dim]); UNROLL loads in
     flight per step."""
     DT: tl.constexpr = DQ.dtype.element_ty
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n_elem
-    head_row = (offs // head_dim) % n_heads * n_parts  # Sources' row of each element's head
+    # The block's first element in int64 (dq may pass 2^31 elements: offset_overflow), the rest int32 from it, so
+    # the per-element index arithmetic stays 32-bit.
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n_elem - start
+    first_row = start // head_dim
+    column = (start - first_row * head_dim).to(tl.int32) + offs
+    head = ((first_row % n_heads).to(tl.int32) + column // head_dim) % n_heads
+    head_row = head * n_parts  # Sources' row of each element's head
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j0 in range(0, n_parts, UNROLL):
         for u in tl.static_range(UNROLL):
@@ -532,8 +538,8 @@ def _dq_reduce_kernel(Part, DQ, Sources, n_parts, n_elem, n_heads, head_dim, BLO
             else:
                 b = tl.load(Sources + head_row + j, mask=take, other=-1).to(tl.int64)
                 take = take & (b >= 0)
-            acc += tl.load(Part + b * n_elem + offs, mask=take, other=0.0)
-    tl.store(DQ + offs, stored(acc, DT, INTERPRET), mask=ok)
+            acc += tl.load(Part + (b * n_elem + start) + offs, mask=take, other=0.0)
+    tl.store(DQ + start + offs, stored(acc, DT, INTERPRET), mask=ok)
 
 
 @triton.jit
