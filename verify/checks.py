@@ -84,7 +84,8 @@ def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list
     start = time.perf_counter()
     try:
         if test == "invariants":
-            findings = check_all(fn, ctx, waivers, ctx.backward_runs.get(spec), ctx.ordered_runs.get(spec))
+            # Their last use: popped, so that a worker running several backends on a case holds one's runs at a time.
+            findings = check_all(fn, ctx, waivers, ctx.backward_runs.pop(spec, None), ctx.ordered_runs.pop(spec, None))
         else:
             inputs = ctx.inputs
             args = (inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout, inputs.kwargs)
