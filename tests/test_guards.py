@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fixtures import case_from_id, make_inputs
 from jfa.backends import attention_fn
@@ -77,6 +78,26 @@ def test_a_write_outside_a_buffer_is_named_with_its_site_and_distance(side, dist
                             f"{sign}{offset})")
 
 
+def test_a_buffer_the_call_lets_go_is_released_and_its_stray_write_still_named():
+    """A guarded buffer with no tensor of the call left on it is released at the next allocation (its memory
+    freed, as without the guards: the invariants of a case of 2^31 elements would not fit one GPU otherwise),
+    keeping its guards' bytes: a write past its end made before it was let go is still named. A buffer whose
+    view is still alive is kept."""
+    with GuardedAllocations(CPU, seed=3) as guards:
+        freed = torch.zeros(6, dtype=torch.float32)
+        raw = allocation_bytes(freed)
+        raw[freed.storage_offset() * 4 + 6 * 4 + 5] ^= 1  # 6 bytes past its end
+        storage = StorageWeakRef(raw.untyped_storage())
+        del freed, raw
+        kept = torch.ones(4, dtype=torch.int32)[1:]
+        torch.empty(2)
+        assert storage.expired()
+    assert [entry.buffer is None for entry in guards.guarded] == [True, False, False]
+    (problem,) = guards.stray_writes()
+    assert problem.startswith("zeros [6] float32") and problem.endswith("the first at byte +5)")
+    assert kept.tolist() == [1, 1, 1]
+
+
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64, torch.uint8)
 
 
@@ -139,7 +160,7 @@ def test_every_tensor_the_op_returns_is_guarded_backward_included(case_id):
     with GuardedAllocations(CPU, seed=1) as guards:
         outputs = run(fn, inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout,
                       inputs.kwargs, backward=True)
-    allocations = {entry.buffer.data_ptr() for entry in guards.guarded}
+    allocations = {entry.buffer.data_ptr() for entry in guards.guarded if entry.buffer is not None}
     unguarded = [name for name, t in outputs.named().items() if t.untyped_storage().data_ptr() not in allocations]
     assert unguarded == []
     assert guards.stray_writes() == []
