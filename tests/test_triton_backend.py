@@ -594,16 +594,28 @@ def test_row_records_after_a_given_dq_pass_match_the_dq_kernels():
                          short_pass=no_pass)
 
 
+@pytest.mark.parametrize("heads, head_dim, wide", [(1, 32, False), (64, 256, False), (16383, 256, False),
+                                                   (16384, 256, True), (32768, 128, True), (65535, 256, True)])
+def test_dq_reduction_finds_a_column_in_int32_only_where_it_fits(heads, head_dim, wide):
+    """`_dq_reduce_kernel`'s int32 form computes (pid mod W)·BLOCK, W = heads·head_dim: it serves every head
+    count whose products stay below 2^31, and the int64 form the rest."""
+    from jfa.triton import backend
+
+    assert backend.wide_rows(heads, head_dim) == wide
+    assert wide or (heads * head_dim - 1) * backend.DQ_REDUCE_BLOCK < 2**31
+
+
 @needs_interpreter
 @pytest.mark.parametrize("listed", [False, True])  # one partial per sequence; per head, a list of them
 @pytest.mark.parametrize("partials", [1, 5, 33])  # the three loads-per-step regimes of dq_reduce_unroll
-def test_dq_reduction_adds_the_partials_in_order(partials, listed):
+@pytest.mark.parametrize("wide_rows", [False, True])  # the column in a row found in int32, or in int64
+def test_dq_reduction_adds_the_partials_in_order(partials, listed, wide_rows):
     """`_dq_reduce_kernel` with the backward's unroll: each element the fp32 sum of its partials in order (a
     tail step's masked loads add nothing), bitwise, whatever the number of loads in flight: every sequence's
     in sequence order, or (`listed`) those its head's row of Sources names, in that order, -1 adding
     nothing (the partials not named are NaN: reading one would show). Stored as fp32 here (the op's bf16
     rounding would hide the order); values of mixed signs and magnitudes, so that another order sums
-    differently."""
+    differently. Both ways of finding an element's head (`WIDE_ROWS`) give the same."""
     from jfa.triton import backend
     from jfa.triton import backward as kernels
 
@@ -632,7 +644,7 @@ def test_dq_reduction_adds_the_partials_in_order(partials, listed):
     got = torch.empty(n_elem)
     kernels._dq_reduce_kernel[(triton.cdiv(n_elem, backend.DQ_REDUCE_BLOCK),)](
         parts.reshape(-1), got, sources, partials, n_elem, heads, head_dim, BLOCK=backend.DQ_REDUCE_BLOCK,
-        UNROLL=backend.dq_reduce_unroll(partials), INTERPRET=True, num_warps=4)
+        UNROLL=backend.dq_reduce_unroll(partials), WIDE_ROWS=wide_rows, INTERPRET=True, num_warps=4)
     torch.testing.assert_close(got, want.reshape(-1), rtol=0, atol=0)
     if partials > 1:  # the check can tell orders apart: the reversed order's sum differs somewhere
         reversed_sum = torch.zeros(per_head.shape[1:])

@@ -506,11 +506,18 @@ def backward(dout, q, k, v, out, lse, residuals, problem: Problem, dkv_pass=None
             partials = sources.shape[1] if sources is not None else problem.batch if problem.broadcast_q else 1
             prepare(bwd_kernels._dq_reduce_kernel, (triton.cdiv(n_elem, DQ_REDUCE_BLOCK),),
                     dq_target, dq, sources, partials, n_elem, hq, problem.head_dim, BLOCK=DQ_REDUCE_BLOCK,
-                    UNROLL=dq_reduce_unroll(partials), INTERPRET=interpreting(), num_warps=4)()
+                    UNROLL=dq_reduce_unroll(partials), WIDE_ROWS=wide_rows(hq, problem.head_dim),
+                    INTERPRET=interpreting(), num_warps=4)()
     return dq, dk, dv
 
 
 DQ_REDUCE_BLOCK = 512  # elements per program of `_dq_reduce_kernel`
+
+
+def wide_rows(heads: int, head_dim: int) -> bool:
+    """Whether `_dq_reduce_kernel` must find a block's column in its row in int64: a row of dq times a block
+    reaches 2^31."""
+    return heads * head_dim * DQ_REDUCE_BLOCK >= 2**31
 
 
 def dq_reduce_unroll(partials: int) -> int:

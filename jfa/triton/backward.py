@@ -514,20 +514,24 @@ def _bwd_packed_kernel(
 
 @kernel
 def _dq_reduce_kernel(Part, DQ, Sources, n_parts, n_elem, n_heads, head_dim, BLOCK: tl.constexpr,
-                      UNROLL: tl.constexpr, INTERPRET: tl.constexpr):
+                      UNROLL: tl.constexpr, WIDE_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
     """DQ[e] = sum over j < n_parts (in order) of Part[b·n_elem + e], b = j without Sources, else the head's
     Sources[h, j] (int32 [n_heads, n_parts], -1: none; DQ is [rows, n_heads, head_dim]); UNROLL loads in
     flight per step."""
     DT: tl.constexpr = DQ.dtype.element_ty
     # The block's first element in int64 (dq may pass 2^31 elements: offset_overflow), the rest int32 from it.
     # Its column in a row of n_heads·head_dim elements comes from the program id in int32 (an int64 division
-    # per program took broadcast's reduction on the tlx backend from 14.5 to 19.5 µs on an H100).
+    # per program took broadcast's reduction on the tlx backend from 14.5 to 19.5 µs on an H100), or in int64
+    # where row_width·BLOCK passes 2^31 (WIDE_ROWS: over 16,384 heads of D 256).
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)
     ok = offs < n_elem - start
     row_width = n_heads * head_dim
-    column = (pid % row_width) * BLOCK % row_width + offs
+    if WIDE_ROWS:
+        column = ((pid % row_width).to(tl.int64) * BLOCK % row_width).to(tl.int32) + offs
+    else:
+        column = (pid % row_width) * BLOCK % row_width + offs
     head_row = (column // head_dim) % n_heads * n_parts  # Sources' row of each element's head
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j0 in range(0, n_parts, UNROLL):

@@ -115,7 +115,7 @@ def variants(quick: bool = False, head_dims: list[tuple[int, int]] | None = None
     # one partial per sequence (Sources None), and a short-query pass's list of them (the tlx backend's)
     out += [Variant(f"dq_reduce unroll={unroll}{' sources' if listed else ''} {dt}", "_dq_reduce_kernel",
                     {"Part": "fp32", "DQ": dt, **({"Sources": "i32"} if listed else {})},
-                    dict(BLOCK=backend.DQ_REDUCE_BLOCK, UNROLL=unroll, INTERPRET=False,
+                    dict(BLOCK=backend.DQ_REDUCE_BLOCK, UNROLL=unroll, WIDE_ROWS=False, INTERPRET=False,
                          **({} if listed else {"Sources": None})), 4, 2)
             for unroll in sorted({backend.dq_reduce_unroll(n) for n in (1, 2, 32)}) for dt in dtypes
             for listed in (False, True)]
