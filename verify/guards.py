@@ -43,17 +43,22 @@ class Guarded:
     what: str  # the factory, shape and dtype, and the allocating line
     guards: torch.Tensor | None = None  # once released: the front and back guards' bytes as they were then
 
+    def guard_bytes(self) -> torch.Tensor:
+        """The front and back guards' bytes, now or (released) as they were then."""
+        if self.buffer is None:
+            return self.guards
+        return torch.cat((self.buffer[:GUARD_BYTES], self.buffer[GUARD_BYTES + self.size:]))
+
     def release(self) -> None:
         """Keeps a copy of the guards and lets the buffer go. The copy is a device op on the current stream, after
         every kernel that ran on the buffer there and before the allocator hands its memory to a later one."""
-        self.guards = torch.cat((self.buffer[:GUARD_BYTES], self.buffer[GUARD_BYTES + self.size:]))
+        self.guards = self.guard_bytes()
         self.buffer = None
 
     def damage(self, pattern: torch.Tensor) -> list[str]:
-        if self.buffer is not None:
-            self.release()
-        front = torch.nonzero(self.guards[:GUARD_BYTES] != pattern).flatten()
-        back = torch.nonzero(self.guards[GUARD_BYTES:] != pattern).flatten()
+        guards = self.guard_bytes()
+        front = torch.nonzero(guards[:GUARD_BYTES] != pattern).flatten()
+        back = torch.nonzero(guards[GUARD_BYTES:] != pattern).flatten()
         found = []
         if front.numel():
             found.append(f"written before its start ({front.numel()} of the {GUARD_BYTES} guard bytes before it "
