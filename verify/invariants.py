@@ -157,12 +157,12 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
     # sub-batch runs made in that mode), the other tensors in the default mode as for every backend.
     unordered_dq = "dq_order" in waived
     names = tuple(n for n in all_names if n != "dq") if unordered_dq else all_names
-    if not unordered_dq:
-        first = None
-    elif first is None:
-        first = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
-    if first is not None:  # only its dq is compared from here on
+    if unordered_dq:  # only first's dq is compared from here on
+        if first is None:
+            first = run(fn, *args, inputs.kwargs, backward=True, deterministic=True)
         first = dataclasses.replace(first, out=None, lse=None, dk=None, dv=None)
+    else:
+        first = None
     # Guarded: a kernel reading an offsets entry past the end runs one more sequence, whose rows it writes past
     # the outputs' ends (`CaseInputs.with_nan_tail`).
     with _guarded(ctx, guarded, findings, "NaN rows and offsets entries past the inputs' ends: "):
