@@ -4,18 +4,21 @@ the limits are scaled down (monkeypatched) so that small cases exercise the same
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import jfa
 import tests.planted  # noqa: F401  (registers the emulator backend)
-from fixtures.case import layout_of
+from fixtures.case import layout_of, make_inputs
 from fixtures.families import case_from_id
 from fixtures.profiles import profile_case_ids
+from jfa.problem import Problem
 from reference.exact import reference
-from verify import graded, results
+from verify import context, graded, results
 from verify.checks import check_case, failure_message
-from verify.context import case_context
+from verify.context import case_context, case_plan, problem_of
 
 CPU = torch.device("cpu")
 CASE = "many_tiny:1"
@@ -129,3 +132,43 @@ def test_broadcast_dq_is_not_graded_on_a_sample(monkeypatch):
         case_context.cache_clear()
     assert records["dq"]["status"] == "skip" and "every sequence's sum" in records["dq"]["message"]
     assert records["dk"]["status"] == records["dv"]["status"] == "pass"
+
+
+@pytest.mark.parametrize("case_id", ["uniform:0", "broadcast_q:1", "fused_qkv:0", "noncontig_dout:2", "tail:0",
+                                     "gqa:1", "empty_runs:0", "batch_zero:0", "window_causal:1"])
+def test_the_plan_is_the_problem_and_sample_of_the_drawn_case(case_id, monkeypatch):
+    """verify.context.case_plan builds a case's Problem and sample without drawing its values (stand-in tensors,
+    meta layout): both must be what the drawn inputs give, the sample taken on every sequence's rows
+    (WHOLE_LIMIT 0) and with INDEX_LIMIT inside the case, so that the layout's strides decide what it holds."""
+    inputs = make_inputs(case_from_id(case_id))
+    drawn = problem_of(inputs)
+    monkeypatch.setattr(graded, "WHOLE_LIMIT", 0)
+    monkeypatch.setattr(graded, "INDEX_LIMIT", max(1, inputs.dout.shape[0] * inputs.dout.stride(0) // 2))
+    plan = case_plan(case_id)
+    for field in dataclasses.fields(Problem):
+        if field.name in ("device", "confirmation", "lengths_key", "q_offsets", "out_offsets", "kv_offsets"):
+            continue  # where the plan's offsets live, and the validation cache's tokens
+        want, got = getattr(drawn, field.name), getattr(plan.problem, field.name)
+        assert (torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want), field.name
+    want = graded.sample(drawn, (inputs.q, inputs.k, inputs.v, inputs.dout), case_from_id(case_id).seed)
+    if want is None:
+        assert plan.sample is None
+        return
+    assert (plan.sample.order, plan.sample.past_limit, plan.sample.past_total) == (
+        want.order, want.past_limit, want.past_total)
+    assert plan.sample.rows.keys() == want.rows.keys()
+    assert all(torch.equal(plan.sample.rows[name][0], rows) for name, (rows, _) in want.rows.items())
+
+
+def test_a_case_the_backend_skips_here_draws_no_values(monkeypatch):
+    """offset_overflow:200 for the triton backend on the CPU: its verify_skip (beyond the interpreter's work limit)
+    is asked with the case's plan, so the case's 22 GB of float32 values are never drawn; the skip still says how
+    the case would be graded."""
+    def drawing(*args, **kwargs):
+        raise AssertionError("a skipped case drew its values")
+
+    monkeypatch.setattr(context, "make_inputs", drawing)
+    records = check_case("triton", "offset_overflow:200", "forward", CPU)
+    assert [(r["tensor"], r["status"]) for r in records] == [("*", "skip")]
+    assert records[0]["message"].startswith("not run here:") and "interpreter" in records[0]["message"]
+    assert records[0]["graded"] == case_plan("offset_overflow:200").sample.describe()

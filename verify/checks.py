@@ -10,7 +10,7 @@ import time
 import torch
 
 from jfa import backends
-from verify.context import case_context
+from verify.context import case_context, case_plan
 from verify.invariants import check_all
 from verify.results import tensor_record
 from verify.runner import BackendCrash, is_device_fault, run
@@ -69,18 +69,21 @@ def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list
     fault, so the caller can replace the process."""
     fn, _ = backend_fn(spec)
     start = time.perf_counter()
-    ctx = case_context(case_id, device.type)
-    waivers = invariance_waivers(spec, device)
+    plan = case_plan(case_id)
+    common = dict(kind="result", backend=spec, case=case_id, family=plan.case.family, test=test,
+                  replay=replay_command(spec, case_id))
+    if plan.sample is not None:
+        common["graded"] = plan.sample.describe()
+    too_costly = verify_skip(spec, plan.problem, device)
+    if too_costly:  # decided before the case's values are drawn
+        return [dict(common, config=kernel_config(spec, plan.problem), context_s=time.perf_counter() - start,
+                     tensor="*", status="skip", message=f"not run here: {too_costly}")]
     # context_s: building the case's inputs, reference and baseline, 0 when this process had them cached
     # (how often workers rebuild a case shows how well the scheduler keeps a case on one worker).
-    common = dict(kind="result", backend=spec, case=case_id, family=ctx.case.family, test=test,
-                  config=kernel_config(spec, ctx.problem), replay=replay_command(spec, case_id),
-                  context_s=time.perf_counter() - start)
-    if ctx.sample is not None:
-        common["graded"] = ctx.sample.describe()
-    too_costly = verify_skip(spec, ctx.problem, device)
-    if too_costly:
-        return [dict(common, tensor="*", status="skip", message=f"not run here: {too_costly}")]
+    start = time.perf_counter()
+    ctx = case_context(case_id, device.type)
+    common.update(config=kernel_config(spec, ctx.problem), context_s=time.perf_counter() - start)
+    waivers = invariance_waivers(spec, device)
     start = time.perf_counter()
     try:
         if test == "invariants":

@@ -1,7 +1,9 @@
 """Everything the checks of one case need, computed once per worker and cached by case id: the inputs,
 the validated problem, the float64 reference with bounds, the exact-value masks and the bf16 model's
 outputs (the same-dtype baseline); for a case too large for a whole reference, these last three of a sample of
-its sequences (`verify.graded`)."""
+its sequences (`verify.graded`). Before any of it, the case's plan: its Problem and sample from its lengths and
+layout alone, which is what a backend's verify_skip needs (a skipped case draws no values: offset_overflow's
+would take 22 GB of the host)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fixtures import Case, CaseInputs, case_from_id, make_inputs
+from fixtures.case import DTYPES, call_kwargs, case_offsets, layout_of
 from jfa.backends import attention_fn
 from jfa.problem import Problem
 from jfa.validation import validate
@@ -47,6 +50,25 @@ def problem_of(inputs: CaseInputs) -> Problem:
                     deterministic=False)
 
 
+@dataclass(frozen=True)
+class CasePlan:
+    """A case's Problem (on the CPU: validation reads only shapes, dtypes and offsets, so stand-in tensors of
+    one element expanded to the case's shapes serve for its values) and the sample it is graded on (its
+    layout's strides from meta tensors). Nothing of the case's size is allocated."""
+
+    case: Case
+    problem: Problem
+    sample: graded.Sample | None
+
+
+def case_plan(case_id: str) -> CasePlan:
+    case = case_from_id(case_id)
+    layout = layout_of(case)
+    stand_ins = [torch.zeros(1, 1, 1, dtype=DTYPES[case.dtype]).expand(t.shape) for t in layout[:3]]
+    problem = validate(*stand_ins, *case_offsets(case), **call_kwargs(case), deterministic=False)
+    return CasePlan(case=case, problem=problem, sample=graded.sample(problem, layout, case.seed))
+
+
 def exact_masks(problem: Problem, ref: Reference, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
     """Rows with no visible key (out 0, lse -inf, dq 0) and keys no query sees (dk = dv = 0)."""
     empty_row = torch.isinf(ref.lse).all(0)
@@ -66,10 +88,10 @@ def exact_masks(problem: Problem, ref: Reference, shapes: dict[str, tuple]) -> d
 
 @functools.lru_cache(maxsize=1)
 def case_context(case_id: str, device_type: str) -> CaseContext:
-    case = case_from_id(case_id)
+    plan = case_plan(case_id)
+    case, sample = plan.case, plan.sample
     inputs = make_inputs(case, torch.device(device_type))
     problem = problem_of(inputs)
-    sample = graded.sample(problem, inputs, case.seed)
     graded_inputs = inputs if sample is None else sub_batch(problem, inputs, sample.order)[0]
     graded_problem = problem if sample is None else problem_of(graded_inputs)
     ref = reference(graded_inputs.q, graded_inputs.k, graded_inputs.v, graded_problem, graded_inputs.dout)

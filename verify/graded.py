@@ -80,12 +80,12 @@ def reaches(spec, q, k, v, dout) -> list[tuple[str, int, int]]:
     return found
 
 
-def sample(problem: Problem, inputs, seed: int) -> Sample | None:
-    """The sample a case is graded on, or None when it is graded whole (at most WHOLE_LIMIT elements)."""
+def sample(problem: Problem, layout, seed: int) -> Sample | None:
+    """The sample a case is graded on, or None when it is graded whole (at most WHOLE_LIMIT elements). `layout`:
+    the call's q, k, v and dout, or meta tensors of their shapes and strides (`fixtures.case.layout_of`)."""
     width = max(problem.head_dim, problem.head_dim_v)
     chosen = choose(problem.out_offsets_host.long().diff(), problem.kv_offsets_host.long().diff(),
-                    reaches(problem, inputs.q, inputs.k, inputs.v, inputs.dout),
-                    problem.q_heads * width, problem.kv_heads * width, seed)
+                    reaches(problem, *layout), problem.q_heads * width, problem.kv_heads * width, seed)
     if chosen is None:
         return None
     order, past = chosen
