@@ -11,9 +11,11 @@ import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fixtures import case_from_id, make_inputs
 from jfa.backends import attention_fn
+from verify.guards import FACTORIES as GUARDED_FACTORIES
 from verify.guards import GUARD_BYTES, GuardedAllocations, allocation_bytes
 from verify.runner import nan_filled_allocations, run
 
@@ -30,6 +32,13 @@ FACTORIES = {
     "new_empty": lambda: torch.arange(3.0).new_empty(9),
     "zeros_like": lambda: torch.zeros_like(torch.arange(10.0).view(2, 5).t()),
     "empty_like": lambda: torch.empty_like(torch.arange(4, dtype=torch.float64)),
+    "empty int": lambda: torch.empty(3, 2, dtype=torch.int32),
+    "empty bool": lambda: torch.empty(5, dtype=torch.bool),
+    "new_empty_strided": lambda: torch.arange(3.0).new_empty_strided((3, 2), (1, 4)),
+    "new_ones": lambda: torch.arange(3).new_ones(2, 2),
+    "ones_like": lambda: torch.ones_like(torch.arange(6.0).view(3, 2).t()),
+    "full_like": lambda: torch.full_like(torch.arange(6, dtype=torch.int16).view(2, 3)[:, ::2], -5),
+    "empty_like int8": lambda: torch.empty_like(torch.arange(6, dtype=torch.int8).view(2, 3).t()),
 }
 
 
@@ -96,6 +105,33 @@ def test_a_buffer_the_call_lets_go_is_released_and_its_stray_write_still_named()
     (problem,) = guards.stray_writes()
     assert problem.startswith("zeros [6] float32") and problem.endswith("the first at byte +5)")
     assert kept.tolist() == [1, 1, 1]
+
+
+class _CpuAllocations(TorchDispatchMode):
+    """Records the bytes of every CPU tensor a factory makes beneath the modes entered after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if getattr(func, "overloadpacket", None) in GUARDED_FACTORIES and result.device == CPU and result.numel():
+            self.sizes.append(result.untyped_storage().nbytes())
+        return result
+
+
+@pytest.mark.parametrize("factory", ["empty", "zeros", "full", "new_full", "zeros_like"])
+def test_a_guarded_buffer_is_the_only_allocation_of_its_factory_call(factory):
+    """The guarded buffer is allocated instead of the factory's own result, not beside it: a call guarding a
+    tensor of N bytes holds N + 2·GUARD_BYTES, not 2N (the invariants of the 2^31-element cases run near a
+    GPU's memory)."""
+    make, guards = FACTORIES[factory], GuardedAllocations(CPU)
+    with _CpuAllocations() as allocations, guards:
+        made = make()
+    (entry,) = guards.guarded
+    assert allocations.sizes == [entry.size + 2 * GUARD_BYTES]
+    assert entry.size == made.untyped_storage().nbytes() - 2 * GUARD_BYTES > 0
 
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64, torch.uint8)

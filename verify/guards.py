@@ -9,7 +9,9 @@ into a larger allocation with GUARD_BYTES of a random pattern on each side; `str
 buffer whose guards changed, where it was allocated and how many bytes past which end. The view has the
 buffer's shape, strides, dtype and contents (a NaN fill from `nan_filled_allocations` included), and an address
 of the same alignment (the guard is a multiple of the allocators' 512-byte rounding), so kernels take the same
-paths. Buffers made before the call (a backend's caches) or by other ops (torch.cat, .contiguous()) are not
+paths. The guarded allocation is the factory's only one: the factory runs on the meta device for the result's
+geometry, and the contents are made in the guarded buffer (a call guarding an 8.8 GB buffer holds 8.8 GB, not
+17.6). Buffers made before the call (a backend's caches) or by other ops (torch.cat, .contiguous()) are not
 guarded; writes far past a guard are memcheck's part (run with the caching allocator off,
 scripts/gpu_session.sh).
 """
@@ -85,33 +87,89 @@ class GuardedAllocations(TorchDispatchMode):
         self.unshared_count = _use_count(torch.empty(1, dtype=torch.uint8))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        if (getattr(func, "overloadpacket", None) not in FACTORIES or not isinstance(result, torch.Tensor)
-                or result.device != self.device or result.numel() == 0):
-            return result
-        return self._guard(result, func)
+        kwargs = kwargs or {}
+        packet = getattr(func, "overloadpacket", None)
+        if packet not in FACTORIES or _device_of(args, kwargs) != self.device:
+            return func(*args, **kwargs)
+        # The factory runs on the meta device for the result's geometry; its contents are then made in the guarded
+        # buffer, so that the buffer is the only allocation (not a second one of the result's size to copy from).
+        shape_of = func(*(_on_meta(a) for a in args), **_meta_kwargs(kwargs))
+        if shape_of.numel() == 0:
+            return func(*args, **kwargs)
+        return self._guard(shape_of, func, _fill_value(packet, args))
 
-    def _guard(self, result: torch.Tensor, func) -> torch.Tensor:
+    def _guard(self, shape_of: torch.Tensor, func, fill) -> torch.Tensor:
         # Buffers the call has let go of are released first, so that the guarded call holds what it would hold
         # unguarded (offset_overflow's tlx backward frees an 8.8 GB fp32 dq before its next allocations).
         for entry in self.guarded:
             if entry.buffer is not None and _use_count(entry.buffer) == self.unshared_count:
                 entry.release()
-        size = result.untyped_storage().nbytes()
+        size = shape_of.untyped_storage().nbytes()
         buffer = torch.empty(2 * GUARD_BYTES + size, dtype=torch.uint8, device=self.device)
         buffer[:GUARD_BYTES] = self.pattern
         buffer[GUARD_BYTES + size:] = self.pattern
-        buffer[GUARD_BYTES:GUARD_BYTES + size] = allocation_bytes(result)
-        guarded = torch.empty(0, dtype=result.dtype, device=self.device).set_(
-            buffer.untyped_storage(), GUARD_BYTES // result.element_size() + result.storage_offset(), result.size(),
-            result.stride())
-        what = f"{func.overloadpacket.__name__} {list(result.shape)} {str(result.dtype).removeprefix('torch.')}"
+        guarded = torch.empty(0, dtype=shape_of.dtype, device=self.device).set_(
+            buffer.untyped_storage(), GUARD_BYTES // shape_of.element_size() + shape_of.storage_offset(),
+            shape_of.size(), shape_of.stride())
+        if fill is _UNINITIALIZED:
+            _fill_uninitialized(guarded)
+        else:
+            guarded.fill_(fill)
+        what = f"{func.overloadpacket.__name__} {list(shape_of.shape)} {str(shape_of.dtype).removeprefix('torch.')}"
         self.guarded.append(Guarded(buffer, size, f"{what} at {_site()}"))
         return guarded
 
     def stray_writes(self) -> list[str]:
         """One line per guarded buffer written outside itself (after the device has finished the call)."""
         return [line for guarded in self.guarded for line in guarded.damage(self.pattern)]
+
+
+_UNINITIALIZED = object()
+
+
+def _device_of(args, kwargs) -> torch.device:
+    """The device a factory call allocates on: its device argument, else its tensor's (the _like and new_ forms)."""
+    if kwargs.get("device") is not None:
+        return torch.device(kwargs["device"])
+    return args[0].device if args and isinstance(args[0], torch.Tensor) else torch.get_default_device()
+
+
+def _on_meta(arg):
+    """A tensor argument as a meta tensor of its shape and strides (what a _like factory's layout follows)."""
+    if not isinstance(arg, torch.Tensor):
+        return arg
+    return torch.empty_strided(arg.shape, arg.stride(), dtype=arg.dtype, device="meta")
+
+
+def _meta_kwargs(kwargs: dict) -> dict:
+    """A factory's keyword arguments for the meta device (which has no pinned memory)."""
+    meta = {"device": "meta", "pin_memory": False}
+    return {name: meta.get(name, value) for name, value in kwargs.items()}
+
+
+def _fill_value(packet, args):
+    """What a factory fills its result with, or _UNINITIALIZED for the empty forms."""
+    if packet in (_aten.zeros, _aten.new_zeros, _aten.zeros_like):
+        return 0
+    if packet in (_aten.ones, _aten.new_ones, _aten.ones_like):
+        return 1
+    if packet in (_aten.full, _aten.full_like):
+        return args[1]
+    if packet is _aten.new_full:
+        return args[2]
+    return _UNINITIALIZED
+
+
+def _fill_uninitialized(t: torch.Tensor) -> None:
+    """What torch leaves in an empty tensor: with deterministic algorithms and fill_uninitialized_memory on
+    (`nan_filled_allocations`), NaN for floating types and the largest value for the others, as torch's own
+    fill_empty_deterministic_; otherwise nothing (whatever the memory held)."""
+    if not (torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory):
+        return
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    else:
+        t.fill_(True if t.dtype == torch.bool else torch.iinfo(t.dtype).max)
 
 
 def _use_count(t: torch.Tensor) -> int:
