@@ -212,14 +212,20 @@ run_stage() {
 }
 
 # A group's stages, each on one GPU and (premerge) its share of the cores; fbtriton is unpacked once first
-# (concurrent unpacking would race).
+# (concurrent unpacking would race). GROUP_ENV_i (i from 0) holds shell assignments for the group's i-th stage
+# alone, e.g. GROUP_ENV_1='WPG=1 PYTEST_ARGS="--jfa-case offset_overflow:200"': the settings read from the
+# environment (PYTEST_ARGS, the timeouts, WPG, PROFILE, ...) otherwise apply to every stage of the group.
 run_group() {
-  local gpus i=0 stage
+  local gpus i=0 stage own_env
   gpus=$(nvidia-smi --list-gpus | wc -l)
   [[ "$1" == *tlx* || "$1" == *bench* ]] && with_fbtriton true
   IFS=+ read -ra parts <<< "$1"
   for stage in "${parts[@]}"; do
-    CUDA_VISIBLE_DEVICES=$((i % gpus)) GROUP_CPUS=$(core_share $i ${#parts[@]}) run_stage "$stage" > "/tmp/jfa/group_$i.log" 2>&1 &
+    own_env=GROUP_ENV_$i
+    (
+      [ -n "${!own_env:-}" ] && eval "export ${!own_env}"
+      CUDA_VISIBLE_DEVICES=$((i % gpus)) GROUP_CPUS=$(core_share $i ${#parts[@]}) run_stage "$stage"
+    ) > "/tmp/jfa/group_$i.log" 2>&1 &
     i=$((i + 1))
   done
   wait

@@ -161,6 +161,28 @@ def test_memcheck_runs_with_the_caching_allocator_off(tmp_path):
                      f"1 --tool initcheck {common} --shard 0/1"]
 
 
+def test_group_env_sets_one_stage_of_a_group(tmp_path):
+    """GROUP_ENV_i's assignments apply to the group's i-th stage alone (an overflow premerge's PYTEST_ARGS beside
+    a sanitizer shard); the other stages keep the environment's settings. Stand-ins record, per GPU, the command
+    compute-sanitizer is given and the limit timeout is given."""
+    stub = _stand_in(tmp_path, "compute-sanitizer",
+                     '#!/bin/bash\necho "$*" >> "$OUT/calls_$CUDA_VISIBLE_DEVICES.txt"\n')
+    _stand_in(tmp_path, "nvidia-smi", '#!/bin/bash\nprintf "GPU 0: stand-in\\nGPU 1: stand-in\\n"\n')
+    _stand_in(tmp_path, "timeout", '#!/bin/bash\necho "$1" >> "$OUT/limits_$CUDA_VISIBLE_DEVICES.txt"\n'
+              'shift\nexec "$@"\n')
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{stub}:{os.environ['PATH']}", OUT=str(out), PYTEST_ARGS="-k forward",
+               GROUP_ENV_1='SANITIZER_TIMEOUT=99 PYTEST_ARGS="-k backward --jfa-case uniform:0"')
+    group = "sanitizer:memcheck:triton:0/2+sanitizer:memcheck:triton:1/2"
+    proc = subprocess.run(["bash", "scripts/gpu_session.sh", group], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    calls = [(out / f"calls_{gpu}.txt").read_text().split(" --jfa-results")[0] for gpu in (0, 1)]
+    assert calls[0].endswith("--jfa-backend triton --shard 0/2 -k forward"), calls[0]
+    assert calls[1].endswith("--jfa-backend triton --shard 1/2 -k backward --jfa-case uniform:0"), calls[1]
+    assert [(out / f"limits_{gpu}.txt").read_text().split() for gpu in (0, 1)] == [["240"], ["99"]]
+
+
 def test_fuzz_stage_searches_for_its_seconds(tmp_path):
     """The fuzz stage runs python -m verify fuzz on its backend for its seconds (240 by default), a line per
     case, with FUZZ_ARGS added; a stand-in python3 records the calls."""
