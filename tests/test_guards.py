@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fixtures import case_from_id, make_inputs
 from jfa.backends import attention_fn
+from verify import guards as guards_module
 from verify.guards import FACTORIES as GUARDED_FACTORIES
 from verify.guards import GUARD_BYTES, GuardedAllocations, allocation_bytes
 from verify.runner import nan_filled_allocations, run
@@ -132,6 +133,15 @@ def test_a_guarded_buffer_is_the_only_allocation_of_its_factory_call(factory):
     (entry,) = guards.guarded
     assert allocations.sizes == [entry.size + 2 * GUARD_BYTES]
     assert entry.size == made.untyped_storage().nbytes() - 2 * GUARD_BYTES > 0
+
+
+def test_a_factory_naming_its_device_without_an_index_is_on_the_current_one(monkeypatch):
+    """device="cuda" allocates on the current CUDA device, whose index the result carries: the guards compare
+    that, so such a call on the checked device is guarded (CUDA's current device faked: none on this machine)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert guards_module._device_of(([4],), {"device": torch.device("cuda")}) == torch.device("cuda", 1)
+    assert guards_module._device_of(([4],), {"device": "cuda:0"}) == torch.device("cuda", 0)
+    assert guards_module._device_of((torch.ones(2), [4]), {}) == CPU
 
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64, torch.uint8)

@@ -79,7 +79,7 @@ class GuardedAllocations(TorchDispatchMode):
 
     def __init__(self, device: torch.device, seed: int = 0):
         super().__init__()
-        self.device = torch.device(device)
+        self.device = _indexed(torch.device(device))
         generator = torch.Generator().manual_seed(seed)
         self.pattern = torch.randint(0, 256, (GUARD_BYTES,), dtype=torch.uint8, generator=generator).to(self.device)
         self.guarded: list[Guarded] = []
@@ -128,10 +128,17 @@ _UNINITIALIZED = object()
 
 
 def _device_of(args, kwargs) -> torch.device:
-    """The device a factory call allocates on: its device argument, else its tensor's (the _like and new_ forms)."""
+    """The device a factory call allocates on: its device argument, else its tensor's (the _like and new_ forms),
+    with the index of the current device where the argument names none (device="cuda"), as the result has."""
     if kwargs.get("device") is not None:
-        return torch.device(kwargs["device"])
-    return args[0].device if args and isinstance(args[0], torch.Tensor) else torch.get_default_device()
+        return _indexed(torch.device(kwargs["device"]))
+    return args[0].device if args and isinstance(args[0], torch.Tensor) else _indexed(torch.get_default_device())
+
+
+def _indexed(device: torch.device) -> torch.device:
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _on_meta(arg):
