@@ -135,6 +135,15 @@ def test_a_guarded_buffer_is_the_only_allocation_of_its_factory_call(factory):
     assert entry.size == made.untyped_storage().nbytes() - 2 * GUARD_BYTES > 0
 
 
+def test_a_factory_writing_an_existing_tensor_is_left_alone():
+    """The out= forms write the tensor they are given, which the call did not allocate: it is filled in place and
+    returned, unguarded."""
+    given = torch.full((3,), 5.0)
+    with GuardedAllocations(CPU) as guards:
+        returned = torch.zeros(3, out=given)
+    assert returned is given and given.tolist() == [0.0, 0.0, 0.0] and guards.guarded == []
+
+
 def test_a_factory_naming_its_device_without_an_index_is_on_the_current_one(monkeypatch):
     """device="cuda" allocates on the current CUDA device, whose index the result carries: the guards compare
     that, so such a call on the checked device is guarded (CUDA's current device faked: none on this machine)."""

@@ -89,7 +89,8 @@ class GuardedAllocations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         packet = getattr(func, "overloadpacket", None)
-        if packet not in FACTORIES or _device_of(args, kwargs) != self.device:
+        # An out= form writes a tensor that exists already: nothing to guard.
+        if packet not in FACTORIES or "out" in kwargs or _device_of(args, kwargs) != self.device:
             return func(*args, **kwargs)
         # The factory runs on the meta device for the result's geometry; its contents are then made in the guarded
         # buffer, so that the buffer is the only allocation (not a second one of the result's size to copy from).
