@@ -217,8 +217,7 @@ def compare(
         baseline_ratio = _max(block_ratio)
         if block_ratio.numel():
             s, h = np.unravel_index(int(torch.argmax(block_ratio)), tuple(block_ratio.shape))
-            sequence = int(s) if sequence_ids is None else sequence_ids[int(s)]
-            worst_block = dict(sequence=sequence, head=int(h), err=float(block_err[s, h]),
+            worst_block = dict(sequence=_case_sequence(int(s), sequence_ids), head=int(h), err=float(block_err[s, h]),
                                baseline_err=float(block_base[s, h]), ratio=float(block_ratio[s, h]))
         base_signed = torch.where(graded & torch.isfinite(xb), xb - r, 0.0)
         base_bias, base_bias_mag, _ = _bias(base_signed, r, b, graded & (b > 0))
@@ -247,11 +246,17 @@ def compare(
     )
 
 
+def _case_sequence(index: int, sequence_ids: list[int] | None) -> int:
+    """The case's index of the index-th sequence of the compared rows (they are all of the case's, or the
+    sample `sequence_ids` names)."""
+    return index if sequence_ids is None else sequence_ids[index]
+
+
 def _locate(row_offsets: torch.Tensor, row: int, head: int, col: int, name: str,
             sequence_ids: list[int] | None = None) -> dict:
     offsets = row_offsets.cpu()
     seq = int(torch.searchsorted(offsets[1:], torch.tensor(row), right=True)) if offsets.numel() > 1 else 0
-    return dict(sequence=seq if sequence_ids is None else sequence_ids[seq], row=row - int(offsets[seq]),
+    return dict(sequence=_case_sequence(seq, sequence_ids), row=row - int(offsets[seq]),
                 head=head, column=None if name == "lse" else col)
 
 
