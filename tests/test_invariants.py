@@ -255,3 +255,50 @@ def test_a_stray_write_of_the_deterministic_path_alone_is_caught_in_the_retained
     (problem,) = findings["in_bounds"]
     assert problem.startswith("deterministic=True, two backwards over one graph: ")
     assert "written past its end" in problem
+
+
+def test_base_waits_on_the_host_where_the_runs_held_would_pass_the_device_memory(monkeypatch):
+    """`_parked`: a run is moved to the host exactly where RUNS_HELD runs of its size pass the device's memory
+    (offset_overflow:200 on an H100); otherwise it is left as it is, the same object."""
+    from verify import invariants
+    from verify.runner import Outputs
+
+    outputs = Outputs(*(torch.randn(3, 2, 4) for _ in range(2)), *(torch.randn(3, 2, 4) for _ in range(3)))
+    run_bytes = 5 * 3 * 2 * 4 * 4
+    for memory, parked in ((invariants.RUNS_HELD * run_bytes, False), (invariants.RUNS_HELD * run_bytes - 1, True)):
+        monkeypatch.setattr(invariants, "_device_memory", lambda device, memory=memory: memory)
+        got = invariants._parked(outputs)
+        assert (got is not outputs) == parked
+        assert all(torch.equal(a, b) for a, b in zip(got.named().values(), outputs.named().values(), strict=True))
+    monkeypatch.setattr(invariants, "_device_memory", lambda device: None)  # the host: nothing to park
+    assert invariants._parked(outputs) is outputs
+
+
+@pytest.mark.parametrize(("spec", "case_id", "failing"), [
+    ("planted-batch_dependent_blocks", "gem_like:0", ["batch_alone"]),
+    ("planted-masked_neighbour_rows", "gem_like:0", ["isolation", "isolation_grad"]),
+    ("tests.planted:offsets_cached_by_address", "gem_like:0", ["offsets_reused"]),
+    ("emulator", "gem_like:0", []),
+])
+def test_a_parked_base_gives_the_same_findings(spec, case_id, failing, monkeypatch):
+    """With `base` parked (a device of one byte), the invariants comparing with it name the planted bug's
+    checks in the same words, and pass the clean emulator, as with `base` where it was made."""
+    from tests import planted  # noqa: F401  (registers the planted backends)
+    from verify import invariants
+
+    fn, _ = attention_fn(spec)
+    ctx = case_context(case_id, "cpu")
+    where_made = invariants.check_all(fn, ctx)
+    assert [k for k, v in where_made.items() if v] == failing
+    parked = []
+    real_parked = invariants._parked
+    monkeypatch.setattr(invariants, "_device_memory", lambda device: 1)
+
+    def recording(outputs):
+        got = real_parked(outputs)
+        parked.append(got is not outputs)
+        return got
+
+    monkeypatch.setattr(invariants, "_parked", recording)
+    assert invariants.check_all(fn, ctx) == where_made
+    assert parked == [True]
