@@ -209,6 +209,34 @@ def test_adding_a_backend_is_one_update(tmp_path):
     assert all(line in after for line in before if '"emulator|' in line)  # the other entries are untouched
 
 
+def test_an_update_records_a_backends_environment_only_with_its_values(tmp_path):
+    """--update gives a backend the run's environment only where the run changed some of that backend's entries,
+    and a run that changes none (the same values again; a regression left out) leaves the file as it was: the
+    environment of a baseline backend stays that of the run whose values its entries hold."""
+    baseline = tmp_path / "baseline.json"
+    for backend in ("emulator", "bf16-model"):
+        run_gate("--results", write_results(tmp_path / f"{backend}.jsonl", backend, ["uniform:0"], ("forward",)),
+                 "--baseline", baseline, "--update")
+    recorded = baseline.read_text()
+    code, output = run_gate("--results", tmp_path / "emulator.jsonl", "--baseline", baseline, "--update")
+    assert code == 0 and "nothing to record" in output and baseline.read_text() == recorded
+    header, *records = (json.loads(line) for line in (tmp_path / "emulator.jsonl").read_text().splitlines())
+    worse = [_scaled(r, max_ulp=3.0) for r in records]  # a regression, left out without --accept-regressions
+    (tmp_path / "worse.jsonl").write_text("".join(results.dumps(r) + "\n" for r in [header, *worse]))
+    code, output = run_gate("--results", tmp_path / "worse.jsonl", "--baseline", baseline, "--update")
+    assert code == 1 and "nothing to record" in output and baseline.read_text() == recorded
+    # One run of both backends, better only on bf16-model's values: only bf16-model takes its environment.
+    _, *model_records = (json.loads(line) for line in (tmp_path / "bf16-model.jsonl").read_text().splitlines())
+    both = dict(header, backends=["emulator", "bf16-model"], jfa_commit="f" * 40)
+    better = [*records, *(_scaled(r, bound_ratio=0.5) for r in model_records)]
+    (tmp_path / "both.jsonl").write_text("".join(results.dumps(r) + "\n" for r in [both, *better]))
+    assert run_gate("--results", tmp_path / "both.jsonl", "--baseline", baseline, "--update")[0] == 0
+    environments = gate.load_baseline(baseline)["environments"]
+    assert environments["bf16-model"]["backends"] == ["emulator", "bf16-model"]
+    assert environments["bf16-model"]["jfa_commit"] == "f" * 40
+    assert environments["emulator"]["backends"] == ["emulator"]
+
+
 def test_usage_errors_exit_2(tmp_path, monkeypatch):
     one = write_results(tmp_path / "one.jsonl", "emulator", ["uniform:0"], ("forward",))
     assert run_gate("--results", one, "--accept-regressions")[0] == 2

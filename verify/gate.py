@@ -463,13 +463,21 @@ def _gate(args) -> int:
     failed = _print_comparison(comparison, args.strict)
     if args.update:
         merged = updated_entries(entries, records, comparison, args.accept_regressions, args.compare_as)
+        changed = {key for key in merged.keys() | entries.keys() if merged.get(key) != entries.get(key)}
+        if not changed:
+            # A run that records nothing (its regressions left out, nothing new or lower) leaves the file as it
+            # was: its environment would otherwise replace that of the run whose values the entries hold.
+            print(f"gate: nothing to record in {baseline_path}")
+            print(f"gate: {'FAIL' if failed else 'PASS'}")
+            return 1 if failed else 0
         log = dict(jfa_commit=header.get("jfa_commit"), profile=header.get("profile"), backends=run_backends,
                    compare_as=args.compare_as, added=len(merged.keys() - entries.keys()),
                    improved=len(comparison.improvements) + len(comparison.lower) + len(comparison.retired),
                    accepted_regressions=len(comparison.regressions) if args.accept_regressions else 0)
         Path(baseline_path).parent.mkdir(parents=True, exist_ok=True)
         recorded = {k: v for k, v in header.items() if k != "kind"}
-        environments = {**environments, **{args.compare_as or b: recorded for b in run_backends}}
+        # Each backend's environment is that of the run that last recorded some of its entries.
+        environments = {**environments, **{key.split("|", 1)[0]: recorded for key in changed}}
         Path(baseline_path).write_text(dumps_baseline(dict(
             device_class=baseline["device_class"] if baseline else device_class, environments=environments,
             updates=[*(baseline["updates"] if baseline else []), log], entries=merged)))
