@@ -302,3 +302,23 @@ def test_a_parked_base_gives_the_same_findings(spec, case_id, failing, monkeypat
     monkeypatch.setattr(invariants, "_parked", recording)
     assert invariants.check_all(fn, ctx) == where_made
     assert parked == [True]
+
+
+def out_of_memory_when_deterministic(*args, deterministic=False, **kwargs):
+    """The bf16 model, raising as a device out of memory does on its deterministic=True calls."""
+    if deterministic:
+        raise torch.OutOfMemoryError("stand-in: tried to allocate 8.20 GiB")
+    return attention_fn("bf16-model")[0](*args, deterministic=deterministic, **kwargs)
+
+
+def test_an_error_in_the_invariants_names_the_invariants_checked_before_it():
+    """A run of the invariants that raises (a case too large for the device) fails the record with the error and
+    the invariants already checked, so that the one that raised is known: here `deterministic`'s first run, after
+    the default-mode runs of `repeatable` and `written` and after `backward_again`, which records its own runs'
+    error (the first with deterministic=True) as its finding."""
+    case_context.cache_clear()
+    (record,) = check_case("tests.test_invariants:out_of_memory_when_deterministic", "gqa:0", "invariants",
+                          torch.device("cpu"))
+    assert record["status"] == "fail" and record["tensor"] == "*"
+    assert record["message"] == ("OutOfMemoryError: stand-in: tried to allocate 8.20 GiB (raised after the "
+                                 "invariants repeatable, written, in_bounds, backward_again had been checked)")

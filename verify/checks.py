@@ -104,7 +104,8 @@ def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list
         return [dict(common, tensor="*", status="skip", message=f"unsupported: {error}")]
     except Exception as error:  # a valid input must not raise; a device fault ends the process
         status = "crash" if is_device_fault(error) else "fail"
-        record = dict(common, tensor="*", status=status, message=f"{type(error).__name__}: {error}",
+        notes = "".join(f" ({note})" for note in getattr(error, "__notes__", ()))
+        record = dict(common, tensor="*", status=status, message=f"{type(error).__name__}: {error}{notes}",
                       duration_s=time.perf_counter() - start)
         if status == "crash":
             raise BackendCrash(record) from error

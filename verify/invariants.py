@@ -113,14 +113,29 @@ def check_all(fn, ctx: CaseContext, waived: dict[str, str] | None = None,
 
     `base`: an earlier run of the case's own call with backward (the backward test's), compared with the
     runs made here; without it the first run is made here. `ordered_base` likewise, with deterministic=True
-    (the backward test makes one for a backend declaring dq_order)."""
+    (the backward test makes one for a backend declaring dq_order).
+
+    An error a run raises goes on with a note of the invariants checked before it (the suite's record shows
+    it): a case too large for the device runs out of memory in one of them."""
     waived = waived or {}
+    findings: dict[str, list[str] | str] = {name: waived[group] for group, names in WAIVABLE.items()
+                                            if group in waived for name in names}
+    try:
+        return _check_all(fn, ctx, waived, base, ordered_base, findings)
+    except Exception as error:
+        checked = [name for name, problems in findings.items() if not isinstance(problems, str)]
+        error.__notes__ = [*getattr(error, "__notes__", []),
+                           f"raised after the invariants {', '.join(checked) or '(none)'} had been checked"]
+        raise
+
+
+def _check_all(fn, ctx: CaseContext, waived: dict[str, str], base: Outputs | None, ordered_base: Outputs | None,
+               findings: dict) -> dict[str, list[str] | str]:
+    """check_all's runs, adding to `findings` as each invariant is checked."""
     inputs = ctx.inputs
     args = (inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.kv_offsets, inputs.dout)
     before = _input_bytes(inputs)
     all_names = ("out", "lse", "dq", "dk", "dv")
-    findings: dict[str, list[str] | str] = {name: waived[group] for group, names in WAIVABLE.items()
-                                            if group in waived for name in names}
 
     if base is None:
         base = run(fn, *args, inputs.kwargs, backward=True)
