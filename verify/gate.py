@@ -468,26 +468,25 @@ def _gate(args) -> int:
             # A run that records nothing (its regressions left out, nothing new or lower) leaves the file as it
             # was: its environment would otherwise replace that of the run whose values the entries hold.
             print(f"gate: nothing to record in {baseline_path}")
-            print(f"gate: {'FAIL' if failed else 'PASS'}")
-            return 1 if failed else 0
-        log = dict(jfa_commit=header.get("jfa_commit"), profile=header.get("profile"), backends=run_backends,
-                   compare_as=args.compare_as, added=len(merged.keys() - entries.keys()),
-                   improved=len(comparison.improvements) + len(comparison.lower) + len(comparison.retired),
-                   accepted_regressions=len(comparison.regressions) if args.accept_regressions else 0)
-        Path(baseline_path).parent.mkdir(parents=True, exist_ok=True)
-        recorded = {k: v for k, v in header.items() if k != "kind"}
-        # Each backend's environment is that of the run that last recorded some of its entries.
-        environments = {**environments, **{key.split("|", 1)[0]: recorded for key in changed}}
-        Path(baseline_path).write_text(dumps_baseline(dict(
-            device_class=baseline["device_class"] if baseline else device_class, environments=environments,
-            updates=[*(baseline["updates"] if baseline else []), log], entries=merged)))
-        left_out = 0 if args.accept_regressions else len(comparison.regressions)
-        print(f"gate: updated {baseline_path}: {log['added']} new keys, {log['improved']} improved statistics"
-              + (f", {log['accepted_regressions']} regressions accepted" if log["accepted_regressions"] else "")
-              + (f", {left_out} regressions left out (--accept-regressions records them)" if left_out else ""))
-        if args.accept_regressions and failed:
-            print("gate: PASS (the regressions above were accepted into the baseline)")
-            return 0
+        else:
+            log = dict(jfa_commit=header.get("jfa_commit"), profile=header.get("profile"), backends=run_backends,
+                       compare_as=args.compare_as, added=len(merged.keys() - entries.keys()),
+                       improved=len(comparison.improvements) + len(comparison.lower) + len(comparison.retired),
+                       accepted_regressions=len(comparison.regressions) if args.accept_regressions else 0)
+            Path(baseline_path).parent.mkdir(parents=True, exist_ok=True)
+            recorded = {k: v for k, v in header.items() if k != "kind"}
+            # Each backend's environment is that of the run that last recorded some of its entries.
+            environments = {**environments, **{key.split("|", 1)[0]: recorded for key in changed}}
+            Path(baseline_path).write_text(dumps_baseline(dict(
+                device_class=baseline["device_class"] if baseline else device_class, environments=environments,
+                updates=[*(baseline["updates"] if baseline else []), log], entries=merged)))
+            left_out = 0 if args.accept_regressions else len(comparison.regressions)
+            print(f"gate: updated {baseline_path}: {log['added']} new keys, {log['improved']} improved statistics"
+                  + (f", {log['accepted_regressions']} regressions accepted" if log["accepted_regressions"] else "")
+                  + (f", {left_out} regressions left out (--accept-regressions records them)" if left_out else ""))
+            if args.accept_regressions and failed:
+                print("gate: PASS (the regressions above were accepted into the baseline)")
+                return 0
     print(f"gate: {'FAIL' if failed else 'PASS'}")
     return 1 if failed else 0
 
