@@ -322,3 +322,40 @@ def test_an_error_in_the_invariants_names_the_invariants_checked_before_it():
     assert record["status"] == "fail" and record["tensor"] == "*"
     assert record["message"] == ("OutOfMemoryError: stand-in: tried to allocate 8.20 GiB (raised after the "
                                  "invariants repeatable, written, in_bounds, backward_again had been checked)")
+
+
+def test_the_invariants_hold_one_sub_batch_at_a_time(monkeypatch):
+    """On offset_overflow:201 a sub-batch's inputs and each of its runs are a whole case's size (15.6 GB, 16 GB): every
+    run of the invariants must start with at most two earlier runs alive (`base` and, with dq_order, `first`'s
+    dq), and every sub-batch be made with no earlier one alive. A loop keeping one sub-batch's inputs and run into
+    the next one's ran an H100 out of memory (2026-12-07)."""
+    import weakref
+
+    from verify import invariants
+
+    model, _ = attention_fn("bf16-model")
+    ctx = case_context("empty_middle:0", "cpu")
+    assert len(invariants._alone_samples(ctx.problem)) > 1 and not ctx.problem.broadcast_q
+    runs, sub_batches, held_at_run, held_at_sub_batch = [], [], [], []
+
+    def alive(refs) -> int:
+        return sum(any(ref() is not None for ref in tensors) for tensors in refs)
+
+    def tracked_run(*args, **kwargs):
+        held_at_run.append(alive(runs))
+        outputs = run(*args, **kwargs)
+        runs.append([weakref.ref(t) for t in outputs.named().values()])
+        return outputs
+
+    def tracked_sub_batch(*args):
+        held_at_sub_batch.append(alive(sub_batches))
+        made = sub_batch(*args)
+        sub_batches.append([weakref.ref(t) for t in (made[0].q, made[0].k, made[0].v, made[0].dout)])
+        return made
+
+    monkeypatch.setattr(invariants, "run", tracked_run)
+    monkeypatch.setattr(invariants, "sub_batch", tracked_sub_batch)
+    assert not any(invariants.check_all(model, ctx, {"dq_order": "unordered dq"}).values())
+    assert len(held_at_sub_batch) == 1 + len(invariants._alone_samples(ctx.problem))
+    assert held_at_sub_batch == [0] * len(held_at_sub_batch)
+    assert max(held_at_run) == 2, held_at_run

@@ -194,17 +194,14 @@ def _check_all(fn, ctx: CaseContext, waived: dict[str, str], base: Outputs | Non
     if ctx.problem.batch > 1:
         order = torch.randperm(ctx.problem.batch, generator=torch.Generator().manual_seed(ctx.case.seed)).tolist()
         runs = [("batch_permuted", order)] + [("batch_alone", [b]) for b in _alone_samples(ctx.problem)]
+        # broadcast_q's dq is the batch's sum: not compared between batches
+        dq_first = None if ctx.problem.broadcast_q else first
         for name, sub_order in runs:
-            sub, out_parts, kv_parts = sub_batch(ctx.problem, inputs, sub_order)
-            sub_args = (sub.q, sub.k, sub.v, sub.q_offsets, sub.kv_offsets, sub.dout)
-            sub_out = run(fn, *sub_args, sub.kwargs, backward=True)
-            findings[name] += compare_sub_batch(ctx, base, sub_out, sub_order, out_parts, kv_parts, names)
-            if unordered_dq and not ctx.problem.broadcast_q:  # broadcast_q's dq is the batch's sum: not compared
-                sub_out = run(fn, *sub_args, sub.kwargs, backward=True, deterministic=True)
-                findings[name] += compare_sub_batch(ctx, first, sub_out, sub_order, out_parts, kv_parts, ("dq",))
+            problems, offsets_buffers = _sub_batch_problems(fn, ctx, base, dq_first, sub_order, names)
+            findings[name] += problems
             if name == "batch_permuted":
                 # Its offsets buffers served a checked call of the case's size: now the case's own, in place.
-                findings["offsets_reused"] = _rerun_in((sub.q_offsets, sub.kv_offsets), fn, inputs, base)
+                findings["offsets_reused"] = _rerun_in(offsets_buffers, fn, inputs, base)
 
     return _with_inputs_check(findings, inputs, before)
 
@@ -316,6 +313,23 @@ def _isolation(fn, ctx: CaseContext, base: Outputs, names) -> tuple[list[str], l
                                      [n for n in names if n in part])
         found.append([f"NaN in sequence {b}'s first row changed {problem}" for problem in problems])
     return found[0], found[1]
+
+
+def _sub_batch_problems(fn, ctx: CaseContext, base: Outputs, dq_first: Outputs | None, order,
+                        names) -> tuple[list[str], tuple]:
+    """The case's call on the sub-batch of its sequences `order`, compared with `base` (`names`) and, where
+    `dq_first` is given (dq_order), in deterministic mode with dq_first's dq. Returns the problems and the
+    sub-batch's offsets buffers. The sub-batch's inputs and runs die here, each run once compared: on
+    offset_overflow:201 each is a whole case's size (15.6 GB of inputs, 16 GB a run), and a loop keeping one sub-batch's
+    into the next one's run ran an H100 out of memory (2026-12-07, 70 GiB held)."""
+    sub, out_parts, kv_parts = sub_batch(ctx.problem, ctx.inputs, order)
+    args = (sub.q, sub.k, sub.v, sub.q_offsets, sub.kv_offsets, sub.dout)
+    problems = compare_sub_batch(ctx, base, run(fn, *args, sub.kwargs, backward=True), order, out_parts, kv_parts,
+                                 names)
+    if dq_first is not None:
+        problems += compare_sub_batch(ctx, dq_first, run(fn, *args, sub.kwargs, backward=True, deterministic=True),
+                                      order, out_parts, kv_parts, ("dq",))
+    return problems, (sub.q_offsets, sub.kv_offsets)
 
 
 def _rerun_in(buffers, fn, inputs, base: Outputs) -> list[str]:
