@@ -23,6 +23,11 @@ LOADED_AT = time.time()
 # Asking NVML (not the CUDA runtime) whether a GPU exists leaves CUDA uninitialised, so a worker can still
 # pin itself to one GPU through CUDA_VISIBLE_DEVICES in pytest_configure.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+# Expandable segments: a freed block of one size stays usable for a request of another (segments grow and shrink
+# in pages), where the default allocator can refuse a large request with more than it asks reserved in blocks too
+# small: offset_overflow:201's tlx invariants were refused 8.3 GiB on an H100 with 11.9 GiB reserved but unused
+# (2026-12-07). A setting of the user's is kept.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import pytest  # noqa: E402
 
