@@ -143,3 +143,17 @@ def test_nvml_count_and_driver(monkeypatch, fresh_nvml, nvml, count, driver):
     assert devices.nvml_gpu_count() == count
     assert devices.nvml_driver_version() == driver
     assert nvml.initialised == 1  # once per process, and left initialised
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "expandable_segments:True"),
+                                                  ("max_split_size_mb:512", "max_split_size_mb:512")])
+def test_the_suite_sets_expandable_segments_unless_the_user_chose_a_setting(given, expected):
+    """The suite's processes run with the allocator's expandable segments (offset_overflow:201's tlx invariants
+    were refused 8.3 GiB with 11.9 GiB reserved but unused without them); a PYTORCH_CUDA_ALLOC_CONF of the user's
+    is left as it is. Set on import of the plugin, before any CUDA allocation reads it."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    if given is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = given
+    script = "import os, verify.conftest; print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"
+    got = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert got.stdout.strip() == expected
