@@ -216,7 +216,7 @@ def test_the_retained_graph_first_backward_is_the_deterministic_checks_second_ru
 def test_a_backend_refusing_the_allocation_guards_is_told_why_unless_it_waives_them():
     """A call that raises under the guards' dispatch mode (as torch.compile'd code does) fails the invariants with
     an error naming the waiver group; declared, the written check runs without the guards and in_bounds is
-    reported not applicable."""
+    reported not applicable. The device running out of memory under the guards is raised as it is."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     from verify.invariants import check_all
@@ -234,6 +234,15 @@ def test_a_backend_refusing_the_allocation_guards_is_told_why_unless_it_waives_t
     findings = check_all(refusing, ctx, {"guarded_allocations": "compiled"})
     assert findings["in_bounds"] == "compiled" and findings["written"] == [], findings
     assert not any(problems for problems in findings.values() if isinstance(problems, list)), findings
+
+    def out_of_memory_when_guarded(*args, **kwargs):  # the case's size: nothing to waive
+        if _get_current_dispatch_mode() is not None:
+            raise torch.OutOfMemoryError("stand-in: tried to allocate 8.20 GiB")
+        return model(*args, **kwargs)
+
+    with pytest.raises(torch.OutOfMemoryError, match="stand-in") as raised:
+        check_all(out_of_memory_when_guarded, ctx)
+    assert "guarded_allocations" not in str(raised.value)
 
 
 def test_a_stray_write_of_the_deterministic_path_alone_is_caught_in_the_retained_graph_run():
@@ -272,6 +281,26 @@ def test_base_waits_on_the_host_where_the_runs_held_would_pass_the_device_memory
         assert all(torch.equal(a, b) for a, b in zip(got.named().values(), outputs.named().values(), strict=True))
     monkeypatch.setattr(invariants, "_device_memory", lambda device: None)  # the host: nothing to park
     assert invariants._parked(outputs) is outputs
+
+
+def test_the_device_memory_is_what_this_process_can_hold(monkeypatch):
+    """`_device_memory` counts what is free on the device and what this process's allocator holds (its runs are
+    the ones RUNS_HELD counts), not the device's total: memory held by other processes on the device (a group's
+    sanitizer shards) is not this process's. The host has none to count."""
+    from verify import invariants
+
+    gib = 2**30
+    device = torch.device("cuda", 1)
+    asked = []
+
+    def mem_get_info(where):
+        asked.append(where)
+        return 30 * gib, 80 * gib  # 50 GiB held: 20 by this process, 30 by others
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda where: 20 * gib if where == device else 0)
+    assert invariants._device_memory(device) == 50 * gib and asked == [device]
+    assert invariants._device_memory(torch.device("cpu")) is None and asked == [device]
 
 
 @pytest.mark.parametrize(("spec", "case_id", "failing"), [
@@ -314,14 +343,15 @@ def out_of_memory_when_deterministic(*args, deterministic=False, **kwargs):
 def test_an_error_in_the_invariants_names_the_invariants_checked_before_it():
     """A run of the invariants that raises (a case too large for the device) fails the record with the error and
     the invariants already checked, so that the one that raised is known: here `deterministic`'s first run, after
-    the default-mode runs of `repeatable` and `written` and after `backward_again`, which records its own runs'
-    error (the first with deterministic=True) as its finding."""
+    the default-mode runs of `repeatable` and `written`. `backward_again`'s runs (the first with deterministic=True)
+    raise it too, under the allocation guards: an out of memory is the case's size, not the backend refusing a
+    retained graph or the guards, so it is neither `backward_again`'s finding nor told to waive the guards."""
     case_context.cache_clear()
     (record,) = check_case("tests.test_invariants:out_of_memory_when_deterministic", "gqa:0", "invariants",
                           torch.device("cpu"))
     assert record["status"] == "fail" and record["tensor"] == "*"
     assert record["message"] == ("OutOfMemoryError: stand-in: tried to allocate 8.20 GiB (raised after the "
-                                 "invariants repeatable, written, in_bounds, backward_again had been checked)")
+                                 "invariants repeatable, written, in_bounds had been checked)")
 
 
 def test_the_invariants_hold_one_sub_batch_at_a_time(monkeypatch):

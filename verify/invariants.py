@@ -214,12 +214,18 @@ RUNS_HELD = 6
 
 
 def _device_memory(device: torch.device) -> int | None:
-    """The device's memory in bytes; None for the host."""
-    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    """The device memory this process can hold, in bytes: what is free plus what its allocator holds already (the
+    runs RUNS_HELD counts are this process's); other processes on the device (a group's sanitizer shards, other
+    workers) leave less. None for the host."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
 
 
 def _parked(outputs: Outputs) -> Outputs:
-    """`outputs` moved to the host where RUNS_HELD runs of their size pass the device's memory, else as they are
+    """`outputs` moved to the host where RUNS_HELD runs of their size pass the device memory this process can hold
+    (`_device_memory`), else as they are
     (the same object). Comparisons with it then take place on the host (`bitwise_equal`); the device holds one
     run fewer."""
     memory = _device_memory(outputs.out.device)
@@ -241,6 +247,13 @@ def _padding(fn, inputs, base: Outputs, first: Outputs | None, names) -> list[st
     return problems
 
 
+def _not_the_backends_answer(error: RuntimeError) -> bool:
+    """Whether an error raised in a run says nothing about the invariant being checked: a device fault (the suite
+    replaces the process) or the device's memory running out (the case's size, not a backend refusing the
+    guards or a retained graph). Such an error ends the invariants, and the record names those checked before it."""
+    return is_device_fault(error) or isinstance(error, torch.OutOfMemoryError)
+
+
 @contextlib.contextmanager
 def _guarded(ctx: CaseContext, on: bool, findings: dict, label: str = ""):
     """The block under `verify.guards` when `on` (else as it is); afterwards each buffer it wrote outside of is
@@ -254,7 +267,7 @@ def _guarded(ctx: CaseContext, on: bool, findings: dict, label: str = ""):
         with guards:
             yield
     except RuntimeError as error:
-        if is_device_fault(error):
+        if _not_the_backends_answer(error):
             raise
         raise RuntimeError(f"the call raised under the suite's allocation guards (verify.guards; a backend "
                            f"that cannot run under a TorchDispatchMode, such as one compiled by torch.compile, "
@@ -271,7 +284,7 @@ def _backward_again(fn, args, kwargs: dict) -> tuple[list[str], Outputs | None]:
     try:
         first, second = run_backwards(fn, *args, kwargs, backwards=2, deterministic=True)
     except RuntimeError as error:
-        if is_device_fault(error):
+        if _not_the_backends_answer(error):
             raise
         return [f"a second backward over the retained graph raised {type(error).__name__}: {str(error)[:300]}"], None
     return _differences(first, second, ("dq", "dk", "dv")), first
