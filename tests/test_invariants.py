@@ -342,10 +342,10 @@ def out_of_memory_when_deterministic(*args, deterministic=False, **kwargs):
 
 def test_an_error_in_the_invariants_names_the_invariants_checked_before_it():
     """A run of the invariants that raises (a case too large for the device) fails the record with the error and
-    the invariants already checked, so that the one that raised is known: here `deterministic`'s first run, after
-    the default-mode runs of `repeatable` and `written`. `backward_again`'s runs (the first with deterministic=True)
-    raise it too, under the allocation guards: an out of memory is the case's size, not the backend refusing a
-    retained graph or the guards, so it is neither `backward_again`'s finding nor told to waive the guards."""
+    the invariants already checked, so that the one that raised is known: here `backward_again`'s runs (the first
+    with deterministic=True, under the allocation guards), after the default-mode runs of `repeatable` and
+    `written`. An out of memory is the case's size, not the backend refusing a retained graph or the guards, so it
+    is neither `backward_again`'s finding nor told to waive the guards."""
     case_context.cache_clear()
     (record,) = check_case("tests.test_invariants:out_of_memory_when_deterministic", "gqa:0", "invariants",
                           torch.device("cpu"))

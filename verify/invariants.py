@@ -225,9 +225,8 @@ def _device_memory(device: torch.device) -> int | None:
 
 def _parked(outputs: Outputs) -> Outputs:
     """`outputs` moved to the host where RUNS_HELD runs of their size pass the device memory this process can hold
-    (`_device_memory`), else as they are
-    (the same object). Comparisons with it then take place on the host (`bitwise_equal`); the device holds one
-    run fewer."""
+    (`_device_memory`), else as they are (the same object). Comparisons with it then take place on the host
+    (`bitwise_equal`); the device holds one run fewer."""
     memory = _device_memory(outputs.out.device)
     run_bytes = sum(t.numel() * t.element_size() for t in outputs.named().values())
     if memory is None or RUNS_HELD * run_bytes <= memory:
