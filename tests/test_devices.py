@@ -157,3 +157,22 @@ def test_the_suite_sets_expandable_segments_unless_the_user_chose_a_setting(give
     script = "import os, verify.conftest; print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"
     got = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert got.stdout.strip() == expected
+
+
+@pytest.mark.parametrize(("cgroup_files", "expected"), [
+    (None, 20_000_000 * 1024),  # no cgroup v2 files: MemAvailable
+    ({"memory.max": "max\n", "memory.current": "123\n"}, 20_000_000 * 1024),  # unlimited cgroup
+    ({"memory.max": "8000000000\n", "memory.current": "3000000000\n"}, 5_000_000_000),  # the container's limit
+    ({"memory.max": "8000000000\n", "memory.current": "9000000000\n"}, 0)])  # past it: nothing left
+def test_available_host_memory_is_the_least_of_memavailable_and_the_cgroup_limit(tmp_path, cgroup_files, expected):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24683772 kB\nMemFree:         1000 kB\nMemAvailable:   20000000 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    for name, text in (cgroup_files or {}).items():
+        (cgroup / name).write_text(text)
+    assert devices.available_host_memory(str(meminfo), str(cgroup)) == expected
+
+
+def test_available_host_memory_unknown_without_either(tmp_path):
+    assert devices.available_host_memory(str(tmp_path / "missing"), str(tmp_path)) is None

@@ -172,3 +172,45 @@ def test_a_case_the_backend_skips_here_draws_no_values(monkeypatch):
     assert [(r["tensor"], r["status"]) for r in records] == [("*", "skip")]
     assert records[0]["message"].startswith("not run here:") and "interpreter" in records[0]["message"]
     assert records[0]["graded"] == case_plan("offset_overflow:200").sample.describe()
+
+
+def test_a_case_past_the_host_memory_is_skipped_before_its_values_are_drawn(monkeypatch):
+    """The bf16 model (no verify_skip) on offset_overflow:200 on a CPU host with 24 GB available: its values, 22 GB
+    in float32 and 11 GB cast to bf16, are never drawn (the OS killed the worker drawing them on the 24 GB CPU
+    machine, a crash the suite would pin on the backend), and the skip says how much it needs."""
+    def drawing(*args, **kwargs):
+        raise AssertionError("a case past the host memory drew its values")
+
+    monkeypatch.setattr(context, "make_inputs", drawing)
+    monkeypatch.setattr(context, "available_host_memory", lambda: 24 * 10**9)
+    records = check_case("bf16-model", "offset_overflow:200", "forward", CPU)
+    assert [(r["tensor"], r["status"]) for r in records] == [("*", "skip")]
+    assert records[0]["message"].startswith("not run here:")
+    assert "33.0 GB, more than the 24.0 GB" in records[0]["message"]
+
+
+@pytest.mark.parametrize("spare", [-1, 0])
+def test_the_host_memory_rule_is_asked_of_a_case_not_yet_drawn(monkeypatch, spare):
+    """A case whose float32 values need one byte more than the host has is skipped, one that fits exactly is run;
+    once drawn (cached), its later tests run whatever the memory left."""
+    case_id = "uniform:0"
+    needed = context.drawn_bytes(case_from_id(case_id), "cpu")
+    monkeypatch.setattr(context, "available_host_memory", lambda: needed + spare)
+    case_context.cache_clear()
+    try:
+        statuses = {r["status"] for r in check_case("bf16-model", case_id, "forward", CPU)}
+        assert statuses == ({"skip"} if spare < 0 else {"pass"})
+        if spare == 0:
+            monkeypatch.setattr(context, "available_host_memory", lambda: 0)
+            assert {r["status"] for r in check_case("bf16-model", case_id, "backward", CPU)} == {"pass"}
+    finally:
+        case_context.cache_clear()
+
+
+def test_drawn_bytes_counts_the_casts_a_device_leaves_on_the_host():
+    """offset_overflow:200's q, k, v and dout: 4 bytes an element in float32 plus 2 for every bf16 cast on a CPU
+    run; on a GPU run the casts leave the host one at a time, so only the largest counts."""
+    case = case_from_id("offset_overflow:200")
+    elements = [t.numel() for t in layout_of(case)]
+    assert context.drawn_bytes(case, "cpu") == 6 * sum(elements)
+    assert context.drawn_bytes(case, "cuda") == 4 * sum(elements) + 2 * max(elements)

@@ -10,7 +10,7 @@ import time
 import torch
 
 from jfa import backends
-from verify.context import case_context, case_plan
+from verify.context import HostMemoryShortfall, case_context, case_plan
 from verify.invariants import check_all
 from verify.results import tensor_record
 from verify.runner import BackendCrash, is_device_fault, run
@@ -74,14 +74,21 @@ def check_case(spec: str, case_id: str, test: str, device: torch.device) -> list
                   replay=replay_command(spec, case_id))
     if plan.sample is not None:
         common["graded"] = plan.sample.describe()
+
+    def not_run_here(reason: str) -> list[dict]:
+        return [dict(common, config=kernel_config(spec, plan.problem), context_s=time.perf_counter() - start,
+                     tensor="*", status="skip", message=f"not run here: {reason}")]
+
     too_costly = verify_skip(spec, plan.problem, device)
     if too_costly:  # decided before the case's values are drawn
-        return [dict(common, config=kernel_config(spec, plan.problem), context_s=time.perf_counter() - start,
-                     tensor="*", status="skip", message=f"not run here: {too_costly}")]
+        return not_run_here(too_costly)
     # context_s: building the case's inputs, reference and baseline, 0 when this process had them cached
     # (how often workers rebuild a case shows how well the scheduler keeps a case on one worker).
     start = time.perf_counter()
-    ctx = case_context(case_id, device.type)
+    try:
+        ctx = case_context(case_id, device.type)
+    except HostMemoryShortfall as shortfall:
+        return not_run_here(str(shortfall))
     common.update(config=kernel_config(spec, ctx.problem), context_s=time.perf_counter() - start)
     waivers = invariance_waivers(spec, device)
     start = time.perf_counter()

@@ -8,17 +8,20 @@ would take 22 GB of the host)."""
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from fixtures import Case, CaseInputs, case_from_id, make_inputs
 from fixtures.case import DTYPES, call_kwargs, case_offsets, layout_of
+from fixtures.values import shapes
 from jfa.backends import attention_fn
 from jfa.problem import Problem
 from jfa.validation import validate
 from reference.exact import Reference, reference
 from verify import graded
+from verify.devices import available_host_memory
 from verify.runner import Outputs, run
 from verify.sub_batch import sub_batch
 
@@ -86,10 +89,32 @@ def exact_masks(problem: Problem, ref: Reference, shapes: dict[str, tuple]) -> d
     return result
 
 
+class HostMemoryShortfall(Exception):
+    """A case whose values this host cannot hold while they are drawn (the message says how much): the machine's
+    limit, not a backend's failure. Without the check the OS kills the worker drawing them, which the suite would
+    report as a crash of the backend (offset_overflow's 22 GB on the 24 GB CPU machine)."""
+
+
+def drawn_bytes(case: Case, device_type: str) -> int:
+    """Host memory make_inputs holds at once at least: q, k, v and dout's values, all four drawn in float32 on the
+    CPU whatever the device (so that an id gives the same tensors everywhere), and their casts to the case's
+    dtype: all four for a CPU run, one at a time on their way to a GPU."""
+    elements = [math.prod(shape) for shape in shapes(case)]
+    cast = DTYPES[case.dtype].itemsize * (sum(elements) if device_type == "cpu" else max(elements))
+    return 4 * sum(elements) + cast
+
+
 @functools.lru_cache(maxsize=1)
 def case_context(case_id: str, device_type: str) -> CaseContext:
+    """Raises HostMemoryShortfall before drawing anything where the case's values pass the host memory available
+    (asked only here, when the case is not the one cached already)."""
     plan = case_plan(case_id)
     case, sample = plan.case, plan.sample
+    needed, available = drawn_bytes(case, device_type), available_host_memory()
+    if available is not None and needed > available:
+        raise HostMemoryShortfall(f"its values are drawn in float32 on the host and cast there (fixtures.make_inputs): "
+                                  f"{needed / 1e9:.1f} GB, more than the {available / 1e9:.1f} GB of memory this "
+                                  f"host has available")
     inputs = make_inputs(case, torch.device(device_type))
     problem = problem_of(inputs)
     graded_inputs = inputs if sample is None else sub_batch(problem, inputs, sample.order)[0]

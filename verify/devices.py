@@ -79,6 +79,25 @@ def usable_cpu_list() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
+def available_host_memory(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes of host memory this process could still take: the kernel's MemAvailable, or less where a cgroup v2
+    limit (a container's) leaves less; None where neither is known (not Linux)."""
+    known = []
+    try:
+        with open(meminfo) as lines:
+            known += [int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    try:
+        with open(os.path.join(cgroup, "memory.max")) as limit, open(os.path.join(cgroup, "memory.current")) as used:
+            limit_text = limit.read().strip()
+            if limit_text != "max":
+                known.append(max(0, int(limit_text) - int(used.read())))
+    except OSError:
+        pass
+    return min(known, default=None)
+
+
 def usable_cpus() -> int:
     return len(usable_cpu_list())
 
