@@ -64,6 +64,32 @@ def test_the_run_line_splits_launch_to_merge_into_start_up_tests_and_end():
                    "5.0-6.0 s after the start) + tests 30.0 s + end 3.0 s")
 
 
+def test_a_resumed_run_lists_the_stopped_runs_workers_apart(tmp_path, capsys):
+    """A run stopped by a time limit (workers started at 10, last test at 300) and resumed (started at 400, merged
+    at 460): the merged file holds both runs' records under the resuming run's header. Each run gets a table of
+    its own, and the run line covers the resuming run alone (taken together, gw0's span ran from 10 to 450 and the
+    start-up read 100 - 400 = -300 s)."""
+    import argparse
+    import json
+
+    from verify import timeline
+
+    records = [dict(kind="environment", started_at=400.0, merged_at=460.0),
+               record("gw0", "a:0", "forward", "out", 100.0, 80.0, 10.0, 0.0, worker_started_at=10.0),
+               record("gw1", "b:0", "forward", "out", 300.0, 250.0, 30.0, 0.0, worker_started_at=11.0),
+               record("gw0", "c:0", "forward", "out", 450.0, 40.0, 5.0, 0.0, worker_started_at=403.0)]
+    path = tmp_path / "resumed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert timeline.main(argparse.Namespace(results=[str(path)])) == 0
+    stopped, resumed = capsys.readouterr().out.split("this run:")
+    assert "the stopped run(s) this one resumed" in stopped and "run:" not in stopped
+    assert [line.split()[:2] for line in stopped.splitlines()[3:5]] == [["gw0", "1"], ["gw1", "1"]]
+    assert [line.split()[:2] for line in resumed.splitlines() if line.startswith("gw")] == [["gw0", "1"]]
+    assert resumed.strip().splitlines()[-1] == (
+        "run: 60.0 s from its start to merged results = start-up 5.0 s (the workers' sessions began 3.0-3.0 s "
+        "after the start) + tests 45.0 s + end 10.0 s")
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux's /proc")
 def test_process_started_at_is_when_the_process_started():
     before = time.time()

@@ -13,7 +13,8 @@ left of its span (from the run's first worker start to its own last finish) outs
 result writing, idling. A run that scales badly shows either one worker finishing far after the others
 (imbalance), a large unaccounted share on every worker, or long first tests (fixed costs). The merged
 file's header adds when the run started (pytest loaded the suite, after Python's and pytest's own imports)
-and when its results were merged, so the last line splits the run into start-up, tests and end.
+and when its results were merged, so the last line splits the run into start-up, tests and end. A resumed run's
+file also holds the stopped run's records: their workers come first, in a table of their own.
 """
 
 from __future__ import annotations
@@ -130,8 +131,22 @@ def add_arguments(parser) -> None:
                         "(*.part) of a run stopped before it merged them")
 
 
+def resumed_apart(records: list[dict], started_at: float) -> tuple[list[dict], list[dict]]:
+    """A run's records split into those of the stopped runs it resumed (--jfa-resume: their workers' sessions
+    began before it started) and its own. Taken together, each worker name's two sessions would read as one, its
+    span across the pause between the runs, and the run line's start-up negative."""
+    def earlier(r: dict) -> bool:
+        return (r.get("worker_started_at") or float("inf")) < started_at
+    return [r for r in records if earlier(r)], [r for r in records if not earlier(r)]
+
+
 def main(args) -> int:
     records = [r for path in args.results for r in read(Path(path))]
     headers = [r for r in records if r.get("kind") == "environment" and "started_at" in r]
-    print(table(per_worker(records), headers[0] if len(headers) == 1 else None))
+    header = headers[0] if len(headers) == 1 else None
+    if header is not None:
+        resumed, records = resumed_apart(records, header["started_at"])
+        if resumed:
+            print(f"the stopped run(s) this one resumed:\n{table(per_worker(resumed))}\n\nthis run:")
+    print(table(per_worker(records), header))
     return 0
