@@ -191,8 +191,8 @@ def test_a_case_past_the_host_memory_is_skipped_before_its_values_are_drawn(monk
 
 @pytest.mark.parametrize("spare", [-1, 0])
 def test_the_host_memory_rule_is_asked_of_a_case_not_yet_drawn(monkeypatch, spare):
-    """A case whose float32 values need one byte more than the host has is skipped, one that fits exactly is run;
-    once drawn (cached), its later tests run whatever the memory left."""
+    """A case whose drawing (its float32 values and their casts, `drawn_bytes`) needs one byte more than the host has
+    is skipped, one that fits exactly is run; once drawn (cached), its later tests run whatever the memory left."""
     case_id = "uniform:0"
     needed = context.drawn_bytes(case_from_id(case_id), "cpu")
     monkeypatch.setattr(context, "available_host_memory", lambda: needed + spare)
